@@ -1,0 +1,149 @@
+"""Qwen2.5-VL parameters: one flat pytree ``{hf_name: array}`` in HF tensor layout.
+
+Names are exactly those of a Qwen2.5-VL safetensors checkpoint on disk
+(``model.layers.N...``, ``visual.blocks.N...``, ``lm_head.weight``), and every
+linear weight is ``[out, in]`` as in torch. So loading/saving a checkpoint is a
+dict copy, and a torch engine can alias each tensor through DLPack without a
+transpose. ``lm_head.weight`` is absent when the embeddings are tied.
+
+Every parameter carries logical axis names (``logical_axes``) that sharding
+rules map onto mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rollplex_jax.config import ModelConfig
+
+Params = dict[str, jax.Array]
+
+# (shape, logical axes) per parameter name.
+Spec = tuple[tuple[int, ...], tuple[str | None, ...]]
+
+
+def _vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
+    v = cfg.vision
+    d, f = v.hidden_size, v.intermediate_size
+    m = d * v.spatial_merge_size**2
+    specs: dict[str, Spec] = {
+        "visual.patch_embed.proj.weight": (
+            (d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size),
+            ("vision_embed", None, None, None, None)),
+        "visual.merger.ln_q.weight": ((d,), ("norm",)),
+        "visual.merger.mlp.0.weight": ((m, m), ("vision_merge_mlp", "vision_merge_in")),
+        "visual.merger.mlp.0.bias": ((m,), ("vision_merge_mlp",)),
+        "visual.merger.mlp.2.weight": ((cfg.text.hidden_size, m), ("embed", "vision_merge_mlp")),
+        "visual.merger.mlp.2.bias": ((cfg.text.hidden_size,), ("embed",)),
+    }
+    for i in range(v.depth):
+        p = f"visual.blocks.{i}."
+        specs.update({
+            p + "norm1.weight": ((d,), ("norm",)),
+            p + "norm2.weight": ((d,), ("norm",)),
+            p + "attn.qkv.weight": ((3 * d, d), ("vision_qkv", "vision_embed")),
+            p + "attn.qkv.bias": ((3 * d,), ("vision_qkv",)),
+            p + "attn.proj.weight": ((d, d), ("vision_embed", "vision_heads")),
+            p + "attn.proj.bias": ((d,), ("vision_embed",)),
+            p + "mlp.gate_proj.weight": ((f, d), ("vision_mlp", "vision_embed")),
+            p + "mlp.gate_proj.bias": ((f,), ("vision_mlp",)),
+            p + "mlp.up_proj.weight": ((f, d), ("vision_mlp", "vision_embed")),
+            p + "mlp.up_proj.bias": ((f,), ("vision_mlp",)),
+            p + "mlp.down_proj.weight": ((d, f), ("vision_embed", "vision_mlp")),
+            p + "mlp.down_proj.bias": ((d,), ("vision_embed",)),
+        })
+    return specs
+
+
+def _text_specs(cfg: ModelConfig) -> dict[str, Spec]:
+    t = cfg.text
+    d, f, hd = t.hidden_size, t.intermediate_size, t.head_dim
+    q, kv = t.num_attention_heads * hd, t.num_key_value_heads * hd
+    specs: dict[str, Spec] = {
+        "model.embed_tokens.weight": ((t.vocab_size, d), ("vocab", "embed")),
+        "model.norm.weight": ((d,), ("norm",)),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head.weight"] = ((t.vocab_size, d), ("vocab", "embed"))
+    for i in range(t.num_hidden_layers):
+        p = f"model.layers.{i}."
+        specs.update({
+            p + "input_layernorm.weight": ((d,), ("norm",)),
+            p + "post_attention_layernorm.weight": ((d,), ("norm",)),
+            p + "self_attn.q_proj.weight": ((q, d), ("q_heads", "embed")),
+            p + "self_attn.q_proj.bias": ((q,), ("q_heads",)),
+            p + "self_attn.k_proj.weight": ((kv, d), ("kv_heads", "embed")),
+            p + "self_attn.k_proj.bias": ((kv,), ("kv_heads",)),
+            p + "self_attn.v_proj.weight": ((kv, d), ("kv_heads", "embed")),
+            p + "self_attn.v_proj.bias": ((kv,), ("kv_heads",)),
+            p + "self_attn.o_proj.weight": ((d, q), ("embed", "q_heads")),
+            p + "mlp.gate_proj.weight": ((f, d), ("mlp", "embed")),
+            p + "mlp.up_proj.weight": ((f, d), ("mlp", "embed")),
+            p + "mlp.down_proj.weight": ((d, f), ("embed", "mlp")),
+        })
+    return specs
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, Spec]:
+    """Shape and logical axes of every parameter, keyed by checkpoint name."""
+    return {**_vision_specs(cfg), **_text_specs(cfg)}
+
+
+def logical_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
+    return {k: axes for k, (_, axes) in param_specs(cfg).items()}
+
+
+def param_dtype(cfg: ModelConfig):
+    return jnp.dtype(cfg.dtype)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    dt = param_dtype(cfg)
+    return {k: jax.ShapeDtypeStruct(shape, dt) for k, (shape, _) in param_specs(cfg).items()}
+
+
+def count_params(shapes: dict) -> int:
+    return int(sum(math.prod(s.shape) for s in shapes.values()))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
+    """Random init as transformers does for Qwen2.5-VL: N(0, std) weights, zero biases, unit norms.
+
+    Deterministic in ``key``: each parameter's key is folded from a stable hash of its name.
+    """
+    dt = param_dtype(cfg)
+    out: Params = {}
+    for name, (shape, _) in param_specs(cfg).items():
+        if name.endswith("norm.weight") or name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight")):
+            out[name] = jnp.ones(shape, dt)
+        elif name.endswith(".bias"):
+            out[name] = jnp.zeros(shape, dt)
+        else:
+            k = jax.random.fold_in(key, _stable_hash(name))
+            out[name] = (std * jax.random.normal(k, shape, jnp.float32)).astype(dt)
+    return out
+
+
+def _stable_hash(name: str) -> int:
+    h = 2166136261
+    for ch in name.encode():
+        h = ((h ^ ch) * 16777619) & 0x7FFFFFFF
+    return h
+
+
+def params_sha256(params: Params) -> str:
+    """Hash of parameter names, dtypes, shapes and bytes (order-independent), for determinism checks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(params):
+        a = np.asarray(jax.device_get(params[name]))
+        h.update(name.encode())
+        h.update(str(a.dtype).encode())
+        h.update(str(a.shape).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
