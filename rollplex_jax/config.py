@@ -46,7 +46,7 @@ class VisionConfig:
     out_hidden_size: int = 2048
     fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
     rope_theta: float = 10000.0
-    tokens_per_second: float = 2.0
+    tokens_per_second: int = 2
     hidden_act: str = "silu"
 
     def __post_init__(self):
@@ -296,7 +296,7 @@ def tiny_model_config(**overrides) -> ModelConfig:
     of 2x2 merged tokens (56 px), text width 64 with GQA 4:2.
     """
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, window_size=56,
-                  out_hidden_size=64, fullatt_block_indexes=(1,), tokens_per_second=2.0)
+                  out_hidden_size=64, fullatt_block_indexes=(1,), tokens_per_second=2)
     text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
                 mrope_section=(2, 3, 3), max_position_embeddings=4096)

@@ -1,0 +1,137 @@
+"""Every absl flag of the project, and the one function that turns them into a ``Config``.
+
+Flags are defined inside ``define_flags`` (not at import) so tests can define them
+on a fresh ``flags.FlagValues()``. Bad values fail at parse time where absl can
+check them (enums, bounds, validators); anything ``rollplex_jax.config`` rejects
+while building the ``Config`` is re-raised as ``app.UsageError`` naming the flag.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+from absl import app, flags
+
+from rollplex_jax.config import DTYPES, Config, ConfigError, DataConfig, ModelConfig, RunConfig
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# ConfigError field name -> the flag that sets it (model.* / vision.* / text.* come from the model file).
+_FIELD_TO_FLAG = {
+    "model.dtype": "dtype",
+    "data.min_pixels": "min_pixels",
+    "data.max_pixels": "max_pixels",
+    "data.max_prompt_len": "max_prompt_len",
+    "run.steps": "steps",
+    "run.seed": "seed",
+    "run.workdir": "workdir",
+    "run.model_dir": "model_dir",
+}
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Defines all flags on ``flag_values``; a second call on the same object is a no-op."""
+    if "model_config" in flag_values:
+        return
+    fv = dict(flag_values=flag_values)
+    data, run = DataConfig(), RunConfig()
+
+    # --- model ---------------------------------------------------------------------------
+    flags.DEFINE_string(
+        "model_config", "configs/models/tiny.json",
+        "Path to a Qwen2.5-VL Hugging Face style config.json (random init from it). Relative paths "
+        "are looked up in the current directory, then in the repo root. Ignored when --model_dir is set.", **fv)
+    flags.DEFINE_string(
+        "model_dir", run.model_dir,
+        "A local Hugging Face checkpoint directory; when set, the model config is read from "
+        "<model_dir>/config.json and --model_config is ignored. Empty = random init.", **fv)
+    flags.DEFINE_enum("dtype", "float32", list(DTYPES), "Parameter and compute dtype.", **fv)
+
+    # --- run -----------------------------------------------------------------------------
+    flags.DEFINE_string("workdir", run.workdir, "Directory the run writes metrics, traces and checkpoints to.", **fv)
+    flags.DEFINE_integer("seed", run.seed, "Random seed (params init, sampling, data order).", lower_bound=0, **fv)
+    flags.DEFINE_integer("steps", run.steps, "Number of training steps.", lower_bound=0, **fv)
+
+    # --- data ----------------------------------------------------------------------------
+    flags.DEFINE_integer("min_pixels", data.min_pixels, "Lower bound on image pixels after smart_resize.",
+                         lower_bound=1, **fv)
+    flags.DEFINE_integer("max_pixels", data.max_pixels,
+                         "Upper bound on image pixels after smart_resize; must be >= --min_pixels.",
+                         lower_bound=1, **fv)
+    flags.DEFINE_integer("max_prompt_len", data.max_prompt_len, "Longest prompt in tokens (image tokens included).",
+                         lower_bound=1, **fv)
+
+    # --- cross-flag checks at parse time -------------------------------------------------
+    flags.register_validator("workdir", bool, message="--workdir must be a non-empty path", **fv)
+    flags.register_multi_flags_validator(["min_pixels", "max_pixels"], _check_pixels, **fv)
+    flags.register_multi_flags_validator(["model_config", "model_dir"], _check_model_source, **fv)
+
+
+def resolve_path(path: str) -> pathlib.Path | None:
+    """An existing file for ``path``: as given if absolute, else under the CWD, then the repo root."""
+    p = pathlib.Path(path).expanduser()
+    for candidate in [p] if p.is_absolute() else [pathlib.Path.cwd() / p, REPO_ROOT / p]:
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _check_pixels(d: dict) -> bool:
+    if d["max_pixels"] < d["min_pixels"]:
+        raise flags.ValidationError(f"--max_pixels={d['max_pixels']} must be >= --min_pixels={d['min_pixels']}")
+    return True
+
+
+def _model_source(model_config: str, model_dir: str) -> tuple[str, str, pathlib.Path | None]:
+    """(flag name, raw flag value, resolved config.json or None)."""
+    if model_dir:
+        p = pathlib.Path(model_dir).expanduser() / "config.json"
+        return "model_dir", model_dir, p if p.is_file() else None
+    return "model_config", model_config, resolve_path(model_config) if model_config else None
+
+
+def _check_model_source(d: dict) -> bool:
+    flag, raw, path = _model_source(d["model_config"] or "", d["model_dir"] or "")
+    if path is None:
+        if flag == "model_dir":
+            raise flags.ValidationError(
+                f"--model_dir={raw!r}: {os.path.join(raw, 'config.json')!r} does not exist "
+                "(expected a local Hugging Face checkpoint directory)")
+        where = list(dict.fromkeys([os.getcwd(), str(REPO_ROOT)]))
+        raise flags.ValidationError(
+            f"--model_config={raw!r}: model config file not found (looked under {', '.join(where)}); "
+            "pass the path of a Qwen2.5-VL config.json, or --model_dir")
+    return True
+
+
+def config_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Config:
+    """Builds the run's ``Config`` from parsed flags; raises ``app.UsageError`` naming the bad flag."""
+    f = flag_values
+    flag, raw, path = _model_source(f.model_config, f.model_dir)
+    if path is None:  # normally caught at parse time by _check_model_source
+        try:
+            _check_model_source({"model_config": f.model_config, "model_dir": f.model_dir})
+        except flags.ValidationError as e:
+            raise app.UsageError(str(e)) from None
+    try:
+        model = ModelConfig.from_json_file(path, dtype=f.dtype)
+    except ConfigError as e:
+        field = str(e).split("=", 1)[0]
+        if field in _FIELD_TO_FLAG:
+            raise _usage_error(e, f) from None
+        raise app.UsageError(f"--{flag}={raw!r} (model config file {str(path)!r}): {e}") from None
+    try:
+        data = DataConfig(min_pixels=f.min_pixels, max_pixels=f.max_pixels, max_prompt_len=f.max_prompt_len)
+        run = RunConfig(workdir=f.workdir, seed=f.seed, steps=f.steps, model_dir=f.model_dir)
+        return Config(model=model, data=data, run=run)
+    except ConfigError as e:
+        raise _usage_error(e, f) from None
+
+
+def _usage_error(e: ConfigError, f: flags.FlagValues) -> app.UsageError:
+    field = str(e).split("=", 1)[0]
+    name = _FIELD_TO_FLAG.get(field)
+    if name is None:
+        return app.UsageError(f"invalid flags: {e}")
+    return app.UsageError(f"--{name}={f[name].value!r}: {e}")

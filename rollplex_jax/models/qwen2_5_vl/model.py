@@ -1,0 +1,177 @@
+"""Qwen2.5-VL forward passes: ``full``, and the ``prefix``/``suffix`` split the project rests on.
+
+``prefix`` runs the vision tower and the prompt tokens and returns every layer's
+boundary KV (post-rotary keys and values of the prompt) with the prompt mask and
+the text position where the response starts. ``suffix`` runs response tokens
+[B, N, T] that attend to that boundary KV (shared by the N responses of a prompt,
+never copied N times) and causally to themselves. For the same tokens,
+``suffix(prefix(prompt), response)`` equals ``full(prompt ++ response)`` up to
+float summation order (tested at 1e-5 in fp32).
+
+Host-side preparation (M-RoPE index, vision layout, token-count checks) lives in
+``prepare_inputs``; the forward functions are pure and jit-able.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rollplex_jax.config import ModelConfig
+from rollplex_jax.models.qwen2_5_vl import rope
+from rollplex_jax.models.qwen2_5_vl.text import (
+    KVSource,
+    causal_mask,
+    decoder_layer,
+    embed,
+    final_norm,
+    lm_logits,
+)
+from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelInputs:
+    """A batch of (left- or right-padded) token rows with their images/videos.
+
+    input_ids, attention_mask: [B, T]; positions: [3, B, T] M-RoPE index;
+    next_position: [B] text position after each row's last real token;
+    pixel_values: [N, patch_dim] patches of all images (batch order) then all videos, or None;
+    layout: ``VisionLayout.arrays()`` of the same grids, or None.
+    """
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    positions: jax.Array
+    next_position: jax.Array
+    pixel_values: jax.Array | None = None
+    layout: dict | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixState:
+    """Boundary state of B prompts: k, v [L, B, Tp, K, d], mask [B, Tp], next_position [B]."""
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+    next_position: jax.Array
+
+
+def prepare_inputs(
+    cfg: ModelConfig,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray | None = None,
+    pixel_values: np.ndarray | None = None,
+    image_grid_thw: np.ndarray | None = None,
+    video_grid_thw: np.ndarray | None = None,
+    second_per_grid_ts: np.ndarray | None = None,
+) -> ModelInputs:
+    """Checks token/grid consistency and computes positions and the vision layout (host side).
+
+    ``pixel_values`` holds the patches of every image (in batch order) followed by those of
+    every video, matching ``image_grid_thw`` then ``video_grid_thw``.
+    """
+    input_ids = np.asarray(input_ids)
+    attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
+    merge = cfg.vision.spatial_merge_size**2
+    grids = [g for g in (image_grid_thw, video_grid_thw) if g is not None and len(g)]
+    grids = np.concatenate(grids).astype(np.int64) if grids else np.zeros((0, 3), np.int64)
+    for kind, tok, g in (("image", cfg.image_token_id, image_grid_thw), ("video", cfg.video_token_id,
+                                                                          video_grid_thw)):
+        n_tok = int(((input_ids == tok) & (attention_mask > 0)).sum())
+        n_feat = 0 if g is None else int(np.prod(np.asarray(g), axis=-1).sum()) // merge
+        if n_tok != n_feat:
+            raise ValueError(f"{kind} features and {kind} tokens do not match: {n_tok} {kind}-pad tokens in "
+                             f"input_ids but the grids give {n_feat}; expand each {kind} to t*h*w/{merge} pads")
+    if len(grids):
+        n_patches = int(np.prod(grids, axis=-1).sum())
+        if pixel_values is None or pixel_values.shape != (n_patches, cfg.vision.patch_dim):
+            got = None if pixel_values is None else tuple(pixel_values.shape)
+            raise ValueError(f"pixel_values has shape {got}, the grids need ({n_patches}, {cfg.vision.patch_dim})")
+    positions, next_pos = rope.get_rope_index(input_ids, attention_mask, cfg, image_grid_thw, video_grid_thw,
+                                              second_per_grid_ts)
+    layout = rope.vision_layout(grids, cfg.vision).arrays() if len(grids) else None
+    return ModelInputs(
+        input_ids=jnp.asarray(input_ids, jnp.int32),
+        attention_mask=jnp.asarray(attention_mask, jnp.int32),
+        positions=jnp.asarray(positions),
+        next_position=jnp.asarray(next_pos),
+        pixel_values=None if layout is None else jnp.asarray(pixel_values, jnp.float32),
+        layout=None if layout is None else {k: jnp.asarray(v) for k, v in layout.items()},
+    )
+
+
+def encode_vision(params: dict, cfg: ModelConfig, inputs: ModelInputs) -> jax.Array | None:
+    if inputs.pixel_values is None:
+        return None
+    return vision_forward(params, cfg.vision, inputs.pixel_values, inputs.layout)
+
+
+def _decoder(params, cfg: ModelConfig, h, cos, sin, extra_per_layer, self_mask):
+    """Runs all layers on h [B, N, T, D]; returns final-normed h, per-layer outputs and (k, v)."""
+    hidden, kvs = [], []
+    for i in range(cfg.text.num_hidden_layers):
+        h, kv = decoder_layer(params, i, h, cos, sin, extra_per_layer(i), self_mask, cfg.text)
+        hidden.append(h)
+        kvs.append(kv)
+    return final_norm(params, h, cfg.text), hidden, kvs
+
+
+def full_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds=None,
+                 return_hidden: bool = False):
+    """Plain causal forward over whole rows. Returns fp32 logits [B, T, V] (and per-layer hidden)."""
+    if vision_embeds is None:
+        vision_embeds = encode_vision(params, cfg, inputs)
+    h = embed(params, cfg, inputs.input_ids, vision_embeds)[:, None]
+    cos, sin = rope.mrope_cos_sin(inputs.positions, cfg.text, h.dtype)
+    mask = causal_mask(inputs.attention_mask[:, None])
+    h, hidden, _ = _decoder(params, cfg, h, cos[:, None], sin[:, None], lambda i: [], mask)
+    logits = lm_logits(params, h[:, 0], cfg)
+    return (logits, [x[:, 0] for x in hidden]) if return_hidden else logits
+
+
+def prefix_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds=None):
+    """Prompt rows -> (PrefixState, fp32 logits [B, V] at each row's last real token)."""
+    if vision_embeds is None:
+        vision_embeds = encode_vision(params, cfg, inputs)
+    h = embed(params, cfg, inputs.input_ids, vision_embeds)[:, None]
+    cos, sin = rope.mrope_cos_sin(inputs.positions, cfg.text, h.dtype)
+    mask = causal_mask(inputs.attention_mask[:, None])
+    h, _, kvs = _decoder(params, cfg, h, cos[:, None], sin[:, None], lambda i: [], mask)
+    t = inputs.input_ids.shape[1]
+    last = t - 1 - jnp.argmax(inputs.attention_mask[:, ::-1], axis=1)
+    last_logits = lm_logits(params, h[jnp.arange(h.shape[0]), 0, last], cfg)
+    state = PrefixState(
+        k=jnp.stack([k[:, 0] for k, _ in kvs]),
+        v=jnp.stack([v[:, 0] for _, v in kvs]),
+        mask=inputs.attention_mask.astype(bool),
+        next_position=inputs.next_position,
+    )
+    return state, last_logits
+
+
+def suffix_forward(params: dict, cfg: ModelConfig, state: PrefixState, response_ids: jax.Array,
+                   response_mask: jax.Array) -> jax.Array:
+    """Responses [B, N, Tr] (right-padded) over a shared prefix -> fp32 logits [B, N, Tr, V].
+
+    Logit t predicts response token t+1; the first response token is predicted by the
+    prefix's ``last_logits``.
+    """
+    b, n, t = response_ids.shape
+    h = embed(params, cfg, response_ids, None)
+    pos = rope.text_positions(state.next_position, t)[:, :, None, :]  # [3, B, 1, Tr]
+    cos, sin = rope.mrope_cos_sin(pos, cfg.text, h.dtype)
+    self_mask = causal_mask(response_mask.astype(bool))
+    prefix_mask = state.mask[:, None, None, :]  # [B, 1, 1, Tp]
+
+    def extra(i):
+        return [KVSource(state.k[i], state.v[i], prefix_mask)]
+
+    h, _, _ = _decoder(params, cfg, h, cos, sin, extra, self_mask)
+    return lm_logits(params, h, cfg)

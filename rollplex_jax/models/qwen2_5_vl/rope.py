@@ -1,0 +1,199 @@
+"""Positions for Qwen2.5-VL: the text model's 3-D M-RoPE index and the vision tower's layout.
+
+Both depend on the data (where image tokens sit, each image's grid), not on
+parameters, so they are computed on the host with numpy and passed to the jit
+programs as integer arrays: a program is then specialised on shapes only.
+
+``get_rope_index`` follows transformers' ``Qwen2_5_VLModel.get_rope_index``
+(transformers 5.x): text tokens advance all three axes together; an image or
+video block takes (t, h, w) positions offset by the running position, and the
+running position then advances by ``max(h, w) // merge``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from rollplex_jax.config import ModelConfig, TextConfig, VisionConfig
+
+TEXT, IMAGE, VIDEO = 0, 1, 2
+
+
+def token_types(input_ids: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """0 for text, 1 for image-pad, 2 for video-pad tokens (HF's ``mm_token_type_ids``)."""
+    types = np.zeros_like(input_ids, dtype=np.int32)
+    types[input_ids == cfg.image_token_id] = IMAGE
+    types[input_ids == cfg.video_token_id] = VIDEO
+    return types
+
+
+def _runs(types: np.ndarray):
+    """Yields (type, start, end) for each maximal run of equal token types."""
+    start = 0
+    for i in range(1, len(types) + 1):
+        if i == len(types) or types[i] != types[start]:
+            yield int(types[start]), start, i
+            start = i
+
+
+def get_rope_index(
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    cfg: ModelConfig,
+    image_grid_thw: np.ndarray | None = None,
+    video_grid_thw: np.ndarray | None = None,
+    second_per_grid_ts: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """3-D positions of every token.
+
+    Args:
+      input_ids: [B, T] token ids (any padding side; pads have attention_mask 0).
+      attention_mask: [B, T] 1 for real tokens.
+      cfg: the model config (special ids, merge size, tokens_per_second).
+      image_grid_thw, video_grid_thw: [n, 3] grids, in the order the image/video blocks
+        appear across the batch (row-major over batch then sequence).
+      second_per_grid_ts: [n_videos] seconds per temporal grid step (default 1).
+
+    Returns:
+      positions [3, B, T] int32 (0 at padding) and next_position [B] int32: the text
+      position the token after the last real token would take.
+    """
+    merge = cfg.vision.spatial_merge_size
+    B, T = input_ids.shape
+    positions = np.zeros((3, B, T), np.int32)
+    next_pos = np.zeros((B,), np.int32)
+    grids = {IMAGE: iter(image_grid_thw if image_grid_thw is not None else []),
+             VIDEO: iter(video_grid_thw if video_grid_thw is not None else [])}
+    secs = iter(second_per_grid_ts if second_per_grid_ts is not None else [])
+    all_types = token_types(input_ids, cfg)
+    for b in range(B):
+        keep = attention_mask[b].astype(bool)
+        types = all_types[b][keep]
+        cur, chunks = 0, []
+        for kind, s, e in _runs(types):
+            if kind == TEXT:
+                chunks.append(np.broadcast_to(np.arange(e - s) + cur, (3, e - s)))
+                cur += e - s
+                continue
+            grid = next(grids[kind], None)
+            if grid is None:
+                raise ValueError(f"row {b}: more {'image' if kind == IMAGE else 'video'} blocks than grids")
+            t, h, w = (int(x) for x in grid)
+            h, w = h // merge, w // merge
+            n = t * h * w
+            if e - s != n:
+                raise ValueError(f"row {b}: a block of {e - s} vision tokens does not match grid {tuple(grid)} "
+                                 f"which needs {n} tokens")
+            interval = cfg.vision.tokens_per_second * next(secs, 1.0) if kind == VIDEO else 1
+            tt = (np.arange(t) * interval).astype(np.int64)
+            tg, hg, wg = np.meshgrid(tt, np.arange(h), np.arange(w), indexing="ij")
+            chunks.append(np.stack([tg.ravel(), hg.ravel(), wg.ravel()]) + cur)
+            cur += max(h, w)
+        pos = np.concatenate(chunks, axis=1) if chunks else np.zeros((3, 0), np.int64)
+        positions[:, b, keep] = pos
+        next_pos[b] = cur
+    return positions, next_pos
+
+
+def mrope_cos_sin(positions: jnp.ndarray, cfg: TextConfig, dtype) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos/sin tables [..., T, head_dim] for M-RoPE from positions [3, ..., T].
+
+    Frequency band i (of head_dim/2) takes its angle from axis (t, h, w) given by
+    which ``mrope_section`` chunk it falls in; the table is then duplicated for the
+    rotate-half layout.
+    """
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    axis_of_band = np.concatenate([np.full(n, i % 3) for i, n in enumerate(cfg.mrope_section)])
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [3, ..., T, hd/2]
+    band = _select_axis(freqs, axis_of_band)
+    emb = jnp.concatenate([band, band], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def _select_axis(freqs: jnp.ndarray, axis_of_band: np.ndarray) -> jnp.ndarray:
+    """freqs [3, ..., hd/2] -> [..., hd/2] taking band j from axis axis_of_band[j]."""
+    onehot = np.eye(3, dtype=np.float32)[axis_of_band].T  # [3, hd/2]
+    onehot = onehot.reshape((3,) + (1,) * (freqs.ndim - 2) + (freqs.shape[-1],))
+    return jnp.sum(freqs * onehot, axis=0)
+
+
+def text_positions(start: jnp.ndarray, length: int) -> jnp.ndarray:
+    """[3, B, length] positions of text tokens that follow a prefix ending before ``start`` [B]."""
+    pos = start[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+    return jnp.broadcast_to(pos[None], (3,) + pos.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Vision tower layout: window reordering, attention segments, 2-D rotary positions.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionLayout:
+    """Host-computed index arrays for one vision forward over concatenated images/videos.
+
+    All arrays are in *merge-unit* granularity (one row per 2x2 group of patches) except
+    ``rot_pos`` which is per patch. ``window_index`` orders merge units window by window
+    (as transformers does); ``reverse_index`` undoes it after the merger.
+    """
+
+    window_index: np.ndarray  # [U] int32
+    reverse_index: np.ndarray  # [U] int32
+    full_segment: np.ndarray  # [U] int32, frame id of each (reordered) unit
+    window_segment: np.ndarray  # [U] int32, window id of each (reordered) unit
+    rot_pos: np.ndarray  # [N, 2] int32 (h, w) of each patch, in reordered patch order
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return dataclasses.asdict(self)
+
+
+def vision_layout(grid_thw: np.ndarray, cfg: VisionConfig) -> VisionLayout:
+    """Window/segment/rotary layout of ``grid_thw`` [n, 3] (patch grids of each image/video)."""
+    m = cfg.spatial_merge_size
+    win = cfg.merger_window
+    window_index, frame_seg, window_seg, rot = [], [], [], []
+    offset = n_frames = n_windows = 0
+    for t, h, w in np.asarray(grid_thw, dtype=np.int64).tolist():
+        if h % m or w % m:
+            raise ValueError(f"grid {(t, h, w)}: h and w must be multiples of spatial_merge_size={m}")
+        gh, gw = h // m, w // m
+        # 2-D rotary positions of patches, block-major over m x m merge blocks (as the patches are laid out).
+        hp, wp = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        hp = hp.reshape(gh, m, gw, m).transpose(0, 2, 1, 3).reshape(-1)
+        wp = wp.reshape(gh, m, gw, m).transpose(0, 2, 1, 3).reshape(-1)
+        unit_pos = np.stack([hp, wp], -1).reshape(gh * gw, m * m, 2)
+        nwh, nww = -(-gh // win), -(-gw // win)
+        for f in range(t):
+            idx = np.arange(gh * gw).reshape(gh, gw)
+            for wi in range(nwh):
+                for wj in range(nww):
+                    block = idx[wi * win:(wi + 1) * win, wj * win:(wj + 1) * win].reshape(-1)
+                    window_index.append(block + offset + f * gh * gw)
+                    window_seg.append(np.full(block.size, n_windows))
+                    frame_seg.append(np.full(block.size, n_frames + f))
+                    rot.append(unit_pos[block].reshape(-1, 2))
+                    n_windows += 1
+        offset += t * gh * gw
+        n_frames += t
+    window_index = np.concatenate(window_index).astype(np.int32)
+    return VisionLayout(
+        window_index=window_index,
+        reverse_index=np.argsort(window_index).astype(np.int32),
+        full_segment=np.concatenate(frame_seg).astype(np.int32),
+        window_segment=np.concatenate(window_seg).astype(np.int32),
+        rot_pos=np.concatenate(rot).astype(np.int32),
+    )
+
+
+def vision_cos_sin(rot_pos: jnp.ndarray, cfg: VisionConfig) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Axial 2-D rotary tables [N, head_dim] (fp32) from per-patch (h, w) positions [N, 2]."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, half, 2, dtype=np.float32) / half))
+    freqs = rot_pos.astype(jnp.float32)[..., None] * inv_freq  # [N, 2, hd/4]
+    hw = freqs.reshape(freqs.shape[0], -1)  # [N, hd/2] = (h bands, w bands)
+    emb = jnp.concatenate([hw, hw], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)

@@ -1,0 +1,96 @@
+"""Helpers for parity tests: tiny random transformers Qwen2.5-VL models and their inputs.
+
+Everything is built in the test process (no download). Only tests import this module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from rollplex_jax.config import ModelConfig
+from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import normalize_name
+
+
+def hf_model(cfg: ModelConfig, seed: int = 0, attn: str = "eager") -> Qwen2_5_VLForConditionalGeneration:
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**cfg.to_hf_dict()))
+    # transformers' init leaves norms at 1 and biases at 0: randomise them so parity covers them.
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.config._attn_implementation = attn
+    for m in model.modules():
+        if hasattr(m, "config") and hasattr(m.config, "_attn_implementation"):
+            m.config._attn_implementation = attn
+    return model.eval().float()
+
+
+def params_of(model, cfg: ModelConfig) -> dict:
+    import jax.numpy as jnp
+
+    out = {}
+    for name, t in model.state_dict().items():
+        key = normalize_name(name)
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        out[key] = jnp.asarray(t.detach().float().numpy())
+    return out
+
+
+def mm_inputs(cfg: ModelConfig, rows: list[list], rng: np.random.Generator):
+    """Builds left-padded rows from specs: ints are text tokens, ('image', (t,h,w)) / ('video', (t,h,w)).
+
+    Returns numpy input_ids, attention_mask, pixel_values (images then videos), image and video grids.
+    """
+    merge = cfg.vision.spatial_merge_size**2
+    seqs, img_grids, vid_grids, img_pix, vid_pix = [], [], [], [], []
+    for row in rows:
+        seq = []
+        for item in row:
+            if isinstance(item, tuple):
+                kind, grid = item
+                n = int(np.prod(grid))
+                pix = rng.standard_normal((n, cfg.vision.patch_dim)).astype(np.float32)
+                tok = cfg.image_token_id if kind == "image" else cfg.video_token_id
+                (img_grids if kind == "image" else vid_grids).append(grid)
+                (img_pix if kind == "image" else vid_pix).append(pix)
+                seq += [cfg.vision_start_token_id] + [tok] * (n // merge) + [cfg.vision_end_token_id]
+            else:
+                seq.append(int(item))
+        seqs.append(seq)
+    t = max(map(len, seqs))
+    ids = np.full((len(seqs), t), cfg.pad_token_id, np.int64)
+    mask = np.zeros((len(seqs), t), np.int64)
+    for i, s in enumerate(seqs):
+        ids[i, t - len(s):] = s
+        mask[i, t - len(s):] = 1
+    pix = img_pix + vid_pix
+    return dict(
+        input_ids=ids, attention_mask=mask,
+        pixel_values=np.concatenate(pix) if pix else None,
+        image_grid_thw=np.array(img_grids, np.int64) if img_grids else None,
+        video_grid_thw=np.array(vid_grids, np.int64) if vid_grids else None,
+    )
+
+
+def hf_forward(model, cfg: ModelConfig, inp: dict, output_hidden_states: bool = False):
+    """transformers forward on the same inputs (passing mm_token_type_ids so M-RoPE is used)."""
+    ids = torch.from_numpy(inp["input_ids"])
+    types = torch.zeros_like(ids, dtype=torch.int32)
+    types[ids == cfg.image_token_id] = 1
+    types[ids == cfg.video_token_id] = 2
+    kw = dict(input_ids=ids, attention_mask=torch.from_numpy(inp["attention_mask"]), mm_token_type_ids=types,
+              output_hidden_states=output_hidden_states)
+    n_img = 0
+    if inp["image_grid_thw"] is not None:
+        kw["image_grid_thw"] = torch.from_numpy(inp["image_grid_thw"])
+        n_img = int(np.prod(inp["image_grid_thw"], -1).sum())
+        kw["pixel_values"] = torch.from_numpy(inp["pixel_values"][:n_img])
+    if inp["video_grid_thw"] is not None:
+        kw["video_grid_thw"] = torch.from_numpy(inp["video_grid_thw"])
+        kw["pixel_values_videos"] = torch.from_numpy(inp["pixel_values"][n_img:])
+    with torch.no_grad():
+        return model(**kw)
