@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rollplex_jax.config import ModelConfig
+from rollplex_jax.models.qwen2_5_vl.names import normalize_name  # noqa: F401  (re-exported)
 from rollplex_jax.models.qwen2_5_vl.params import Params, param_specs
 
 CONFIG_FILE = "config.json"
@@ -40,28 +41,10 @@ _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _EMBED = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
 
-# transformers' in-memory prefixes -> the on-disk (legacy) prefixes our params use.
-_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
 class CheckpointError(ValueError):
     """A checkpoint directory is incomplete or does not match its config; the message names what."""
-
-
-def normalize_name(name: str) -> str:
-    """Maps a tensor name in either transformers spelling to our parameter name.
-
-    Args:
-        name: a tensor name as found in a safetensors file, e.g.
-            ``model.language_model.layers.0.mlp.up_proj.weight`` or ``model.layers.0.mlp.up_proj.weight``.
-
-    Returns:
-        The on-disk legacy name (``model.layers.0.mlp.up_proj.weight``, ``visual.blocks.0...``).
-    """
-    for src, dst in _PREFIXES:
-        if name.startswith(src):
-            return dst + name[len(src):]
-    return name
 
 
 def read_config(model_dir: str | os.PathLike, dtype: str | None = None) -> ModelConfig:

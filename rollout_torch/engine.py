@@ -1,0 +1,90 @@
+"""What every rollout engine takes and returns.
+
+An engine generates G answers per prompt with weights bound from the actor (see
+``weights.py``); it knows nothing of JAX beyond receiving DLPack-capable arrays.
+Prompts arrive already tokenised and preprocessed (numpy), exactly as the JAX
+programs see them, so both sides score the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy decoding (top_p/top_k ignored)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prompts:
+    """B left-padded prompts with their images and videos (host arrays).
+
+    input_ids, attention_mask: [B, T]; pixel_values: [N, patch_dim] patches of all images
+    (batch order) then all videos, or None; image_grid_thw / video_grid_thw: [n, 3] or None.
+    """
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    pixel_values: np.ndarray | None = None
+    image_grid_thw: np.ndarray | None = None
+    video_grid_thw: np.ndarray | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rollouts:
+    """G answers for each of B prompts.
+
+    response_ids: [B, G, T] right-padded with ``pad_token_id``; lengths: [B, G];
+    finish_reasons: [B][G] "stop" (ended on a stop token, which is included) or "length";
+    logprobs: [B, G, T] float32 engine log-probs of each sampled token under the
+    unmodified policy (log-softmax of raw logits, temperature 1), 0 at padding.
+    """
+
+    response_ids: np.ndarray
+    lengths: np.ndarray
+    finish_reasons: list[list[str]]
+    logprobs: np.ndarray
+
+    @property
+    def mask(self) -> np.ndarray:
+        t = self.response_ids.shape[-1]
+        return (np.arange(t)[None, None, :] < self.lengths[..., None]).astype(np.int32)
+
+
+class Engine(Protocol):
+    """A rollout engine bound to the actor's weights."""
+
+    def bind(self, params: Mapping[str, Any]) -> None:
+        """(Re)binds the engine to the actor's current parameter arrays (DLPack-capable)."""
+
+    def release(self) -> None:
+        """Drops every view of actor buffers, so JAX may donate them."""
+
+    def generate(self, prompts: Prompts, n: int, sampling: SamplingParams) -> Rollouts:
+        """Samples ``n`` answers per prompt."""
