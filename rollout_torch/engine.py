@@ -77,6 +77,27 @@ class Rollouts:
         return (np.arange(t)[None, None, :] < self.lengths[..., None]).astype(np.int32)
 
 
+def items_per_row(prompts: Prompts, token_id: int, grids: np.ndarray | None, merge: int) -> list[list[int]]:
+    """Indices of the grids (images, or videos) that belong to each prompt row, in order.
+
+    Rows own consecutive grids; a row with k pad tokens owns the next grids whose
+    t*h*w / merge sum to k.
+    """
+    counts = ((prompts.input_ids == token_id) & (prompts.attention_mask > 0)).sum(1)
+    tokens = [] if grids is None else (np.prod(grids, -1) // merge).tolist()
+    out, g = [], 0
+    for c in counts.tolist():
+        row = []
+        while c > 0:
+            if g >= len(tokens):
+                raise ValueError(f"prompts have more pad tokens (id {token_id}) than their grids account for")
+            row.append(g)
+            c -= tokens[g]
+            g += 1
+        out.append(row)
+    return out
+
+
 class Engine(Protocol):
     """A rollout engine bound to the actor's weights."""
 
@@ -88,3 +109,6 @@ class Engine(Protocol):
 
     def generate(self, prompts: Prompts, n: int, sampling: SamplingParams) -> Rollouts:
         """Samples ``n`` answers per prompt."""
+
+    def sharing_report(self) -> Any:
+        """``weights.SharingReport`` of the last bind: counts and bytes aligned / view / rebuilt."""

@@ -10,13 +10,13 @@ its parameters. The HF layout is our layout, so on one device every tensor is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from rollout_torch.engine import Prompts, Rollouts, SamplingParams
+from rollout_torch.engine import Prompts, Rollouts, SamplingParams, items_per_row
 from rollout_torch.weights import SharingReport, TensorSpec, WeightBinder
 from rollplex_jax.config import ModelConfig
 from rollplex_jax.models.qwen2_5_vl.names import normalize_name
@@ -55,19 +55,8 @@ def _set_param(model, name: str, tensor: torch.Tensor) -> None:
         mod._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
-def _row_items(prompts: Prompts, token_id: int, grids: np.ndarray | None, merge: int) -> list[list[int]]:
-    """Indices of the grids (images or videos) belonging to each prompt row, in order."""
-    counts = ((prompts.input_ids == token_id) & (prompts.attention_mask > 0)).sum(1)
-    tokens = [] if grids is None else (np.prod(grids, -1) // merge).tolist()
-    out, g = [], 0
-    for c in counts.tolist():
-        row = []
-        while c > 0:
-            row.append(g)
-            c -= tokens[g]
-            g += 1
-        out.append(row)
-    return out
+class _Nbytes(NamedTuple):
+    nbytes: int
 
 
 class HFEngine:
@@ -85,6 +74,7 @@ class HFEngine:
         """Installs views of ``params`` (the actor's current arrays) as the model's parameters."""
         if self._bound:
             self.release()
+        self._sizes = {s: _Nbytes(int(params[s].nbytes)) for spec in self.binder.specs for s in spec.sources}
         for name, t in self.binder.bind(params).items():
             _set_param(self.model, name, t)
         self._bound = True
@@ -99,8 +89,11 @@ class HFEngine:
         self._bound = False
         self.binder.release()
 
-    def sharing_report(self, params: Mapping[str, Any]) -> SharingReport:
-        return self.binder.report(params)
+    def sharing_report(self) -> SharingReport:
+        """Counts and bytes per class as of the last bind (on one device: everything aligned)."""
+        if not hasattr(self, "_sizes"):
+            raise RuntimeError("sharing_report() needs a bind() first")
+        return self.binder.report(self._sizes)
 
     def bound_tensors(self) -> dict[str, torch.Tensor]:
         """The engine's current parameter tensors by checkpoint name (for checks)."""
@@ -138,7 +131,7 @@ class HFEngine:
         dtype = self.model.lm_head.weight.dtype
         for kind, tok, grids, off in (("image", self.cfg.image_token_id, prompts.image_grid_thw, 0),
                                       ("video", self.cfg.video_token_id, prompts.video_grid_thw, n_img_patches)):
-            per_row = _row_items(prompts, tok, grids, merge)
+            per_row = items_per_row(prompts, tok, grids, merge)
             items = [g for r in rows for g in per_row[r]]
             if not items:
                 continue

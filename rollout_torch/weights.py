@@ -108,7 +108,7 @@ class WeightBinder:
         shape = (rows, *parts[0].shape[1:])
         buf = self._rebuilt.get(spec.target)
         if buf is None or tuple(buf.shape) != shape or buf.dtype != parts[0].dtype:
-            buf = torch.empty(shape, dtype=parts[0].dtype)
+            buf = torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device)
             self._rebuilt[spec.target] = buf
         with torch.no_grad():
             torch.cat(parts, dim=0, out=buf)

@@ -248,10 +248,35 @@ class ModelConfig:
         }
 
 
+ENGINES = ("hf", "vllm")
+SCHEDULES = ("serial",)
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_MODES = ("loss", "reward", "off")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+REWARD_FAILURES = ("zero", "raise")
+LR_SCHEDULES = ("constant", "cosine")
+SYNTHETIC_TASKS = ("colour", "quadrant", "count")
+
+
+def _choice(section: str, name: str, value, allowed: tuple) -> None:
+    _require(value in allowed, f"{section}.{name}", value, f"one of {', '.join(allowed)}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Image preprocessing limits (Qwen's smart_resize) and prompt length limit."""
+    """Where prompts come from, and the image/prompt limits applied when loading them.
 
+    ``dataset`` is a JSONL file of rows {"images": [...], "prompt": ..., "answer": ...}; when it
+    is empty, a built-in synthetic task (``synthetic_task``) is written into the workdir in
+    that same format. ``eval_dataset`` (or a fresh synthetic set) feeds the greedy evaluation.
+    """
+
+    dataset: str = ""
+    eval_dataset: str = ""
+    synthetic_task: str = "colour"
+    synthetic_n: int = 2048
+    eval_n: int = 256
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     max_prompt_len: int = 2048
@@ -261,20 +286,122 @@ class DataConfig:
         _require(self.max_pixels >= self.min_pixels, "data.max_pixels", self.max_pixels,
                  f"must be >= min_pixels={self.min_pixels}")
         _require(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "must be > 0")
+        _choice("data", "synthetic_task", self.synthetic_task, SYNTHETIC_TASKS)
+        _require(self.synthetic_n > 0, "data.synthetic_n", self.synthetic_n, "must be > 0")
+        _require(self.eval_n >= 0, "data.eval_n", self.eval_n, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """The torch rollout engine and how it samples G answers per prompt."""
+
+    engine: str = "hf"
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    max_batch: int = 256
+
+    def __post_init__(self):
+        _choice("rollout", "engine", self.engine, ENGINES)
+        _require(self.group_size >= 2, "rollout.group_size", self.group_size,
+                 "must be >= 2 (group-relative advantages need at least 2 answers per prompt)")
+        _require(self.temperature > 0, "rollout.temperature", self.temperature,
+                 "must be > 0 for training rollouts (greedy decoding is used for evaluation only)")
+        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        _require(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0 (0 = off)")
+        _require(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "must be > 0")
+        _require(self.max_batch > 0, "rollout.max_batch", self.max_batch, "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RlConfig:
+    """The RL algorithm: advantages, policy loss, KL to the reference, rewards, batch sizes."""
+
+    batch_prompts: int = 16
+    advantage: str = "grpo"
+    norm_by_std: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    loss_agg: str = "token-mean"
+    kl_mode: str = "loss"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    reward: str = "exact_match"
+    reward_timeout_s: float = 10.0
+    reward_workers: int = 4
+    reward_failure: str = "zero"
+    mini_batches: int = 1
+    micro_batch: int = 64
+
+    def __post_init__(self):
+        _require(self.batch_prompts > 0, "rl.batch_prompts", self.batch_prompts, "must be > 0")
+        _choice("rl", "advantage", self.advantage, ADVANTAGES)
+        _require(0 <= self.clip_low < 1, "rl.clip_low", self.clip_low, "must be in [0, 1)")
+        _require(self.clip_high >= 0, "rl.clip_high", self.clip_high, "must be >= 0")
+        _choice("rl", "loss_agg", self.loss_agg, LOSS_AGGS)
+        _choice("rl", "kl_mode", self.kl_mode, KL_MODES)
+        _require(self.kl_coef >= 0, "rl.kl_coef", self.kl_coef, "must be >= 0")
+        _choice("rl", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _require(bool(self.reward), "rl.reward", self.reward, "exact_match, numeric, format or module:function")
+        _require(self.reward_timeout_s > 0, "rl.reward_timeout_s", self.reward_timeout_s, "must be > 0")
+        _require(self.reward_workers > 0, "rl.reward_workers", self.reward_workers, "must be > 0")
+        _choice("rl", "reward_failure", self.reward_failure, REWARD_FAILURES)
+        _require(self.mini_batches > 0, "rl.mini_batches", self.mini_batches, "must be > 0")
+        _require(self.micro_batch > 0, "rl.micro_batch", self.micro_batch, "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """optax AdamW with global-norm clipping and a learning-rate schedule over the run's steps."""
+
+    lr: float = 5e-4
+    lr_schedule: str = "cosine"
+    final_lr_frac: float = 0.05
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        _require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        _choice("optim", "lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _require(0 <= self.final_lr_frac <= 1, "optim.final_lr_frac", self.final_lr_frac, "must be in [0, 1]")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
+        _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
+        _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "optim.b1", (self.b1, self.b2), "b1, b2 must be in [0, 1)")
+        _require(self.grad_clip > 0, "optim.grad_clip", self.grad_clip, "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """orbax checkpoints under <workdir>/checkpoints every ``every`` steps (0 = only at the end)."""
+
+    every: int = 0
+    keep: int = 2
+
+    def __post_init__(self):
+        _require(self.every >= 0, "checkpoint.every", self.every, "must be >= 0")
+        _require(self.keep > 0, "checkpoint.keep", self.keep, "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """Where a run writes, how long it runs, and its seed."""
+    """Where a run writes, how long it runs, its seed and schedule."""
 
     workdir: str = "runs/default"
     seed: int = 0
     steps: int = 1
     model_dir: str = ""
+    schedule: str = "serial"
+    progress: bool = True
 
     def __post_init__(self):
         _require(self.steps >= 0, "run.steps", self.steps, "must be >= 0")
         _require(bool(self.workdir), "run.workdir", self.workdir, "must be a non-empty path")
+        _choice("run", "schedule", self.schedule, SCHEDULES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -283,6 +410,10 @@ class Config:
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    rl: RlConfig = dataclasses.field(default_factory=RlConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def to_dict(self) -> dict:

@@ -11,6 +11,7 @@ from absl import app, flags
 
 from launch import flags as launch_flags
 from rollplex_jax.config import Config, ConfigError, ModelConfig, tiny_model_config
+from rollplex_jax.data.tokenizer import TinyTokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FLAGFILES = sorted((REPO / "configs").glob("*.flags"))
@@ -41,9 +42,11 @@ def test_every_flagfile_builds_a_config(path):
 
 def test_tiny_cpu_values():
     cfg = launch_flags.config_from_flags(_parse(f"--flagfile={REPO / 'configs' / 'tiny_cpu.flags'}"))
-    assert cfg.model == tiny_model_config()
-    assert (cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_prompt_len) == (56 * 56, 112 * 112, 256)
-    assert (cfg.run.workdir, cfg.run.seed, cfg.run.steps, cfg.run.model_dir) == ("runs/tiny_cpu", 0, 200, "")
+    assert cfg.model == ModelConfig.from_json_file(REPO / "configs" / "models" / "demo.json")
+    assert cfg.model.text.vocab_size == TinyTokenizer().vocab_size
+    assert (cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_prompt_len) == (56 * 56, 56 * 56, 64)
+    assert (cfg.run.workdir, cfg.run.seed, cfg.run.steps, cfg.run.model_dir) == ("runs/tiny_cpu", 0, 300, "")
+    assert (cfg.rl.batch_prompts, cfg.rollout.group_size, cfg.rollout.max_new_tokens) == (16, 8, 3)
 
 
 def test_command_line_overrides_flagfile():
@@ -127,8 +130,8 @@ def test_show_config_prints_json():
     r = _show_config("--flagfile=configs/tiny_cpu.flags", "--steps=7")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["run"]["steps"] == 7 and d["data"]["max_pixels"] == 112 * 112
-    assert d["model"]["text"]["vocab_size"] == tiny_model_config().text.vocab_size
+    assert d["run"]["steps"] == 7 and d["data"]["max_pixels"] == 56 * 56
+    assert d["model"]["text"]["vocab_size"] == TinyTokenizer().vocab_size
 
 
 @pytest.mark.parametrize("args, expected", [BAD_FLAGS[0], BAD_FLAGS[4]], ids=["dtype", "model_config"])

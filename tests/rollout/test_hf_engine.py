@@ -50,7 +50,7 @@ def test_every_tensor_is_an_aligned_zero_copy_view():
     for name, t in bound.items():
         assert t.data_ptr() == params[name].unsafe_buffer_pointer(), name
     del bound, t  # our references count as live views too
-    rep = eng.sharing_report(params)
+    rep = eng.sharing_report()
     assert rep.counts[REBUILT] == 0 and rep.bytes[REBUILT] == 0
     assert rep.fractions()[ALIGNED] == 1.0
     eng.release()

@@ -38,7 +38,8 @@ from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
 class ModelInputs:
     """A batch of (left- or right-padded) token rows with their images/videos.
 
-    input_ids, attention_mask: [B, T]; positions: [3, B, T] M-RoPE index;
+    input_ids, attention_mask: [B, T]; token_types: [B, T] 0 text / 1 image pad / 2 video pad;
+    positions: [3, B, T] M-RoPE index;
     next_position: [B] text position after each row's last real token;
     pixel_values: [N, patch_dim] patches of all images (batch order) then all videos, or None;
     layout: ``VisionLayout.arrays()`` of the same grids, or None.
@@ -46,6 +47,7 @@ class ModelInputs:
 
     input_ids: jax.Array
     attention_mask: jax.Array
+    token_types: jax.Array
     positions: jax.Array
     next_position: jax.Array
     pixel_values: jax.Array | None = None
@@ -71,20 +73,24 @@ def prepare_inputs(
     image_grid_thw: np.ndarray | None = None,
     video_grid_thw: np.ndarray | None = None,
     second_per_grid_ts: np.ndarray | None = None,
+    vision_region: np.ndarray | None = None,
 ) -> ModelInputs:
     """Checks token/grid consistency and computes positions and the vision layout (host side).
 
     ``pixel_values`` holds the patches of every image (in batch order) followed by those of
-    every video, matching ``image_grid_thw`` then ``video_grid_thw``.
+    every video, matching ``image_grid_thw`` then ``video_grid_thw``. ``vision_region`` [B, T]
+    marks where placeholders may be (default everywhere; the prompt part of prompt ++ answer
+    rows, since a sampled answer may contain the pad ids as plain tokens).
     """
     input_ids = np.asarray(input_ids)
     attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
     merge = cfg.vision.spatial_merge_size**2
+    types = rope.token_types(input_ids, cfg, vision_region)
+    types[attention_mask == 0] = rope.TEXT
     grids = [g for g in (image_grid_thw, video_grid_thw) if g is not None and len(g)]
     grids = np.concatenate(grids).astype(np.int64) if grids else np.zeros((0, 3), np.int64)
-    for kind, tok, g in (("image", cfg.image_token_id, image_grid_thw), ("video", cfg.video_token_id,
-                                                                          video_grid_thw)):
-        n_tok = int(((input_ids == tok) & (attention_mask > 0)).sum())
+    for kind, code, g in (("image", rope.IMAGE, image_grid_thw), ("video", rope.VIDEO, video_grid_thw)):
+        n_tok = int((types == code).sum())
         n_feat = 0 if g is None else int(np.prod(np.asarray(g), axis=-1).sum()) // merge
         if n_tok != n_feat:
             raise ValueError(f"{kind} features and {kind} tokens do not match: {n_tok} {kind}-pad tokens in "
@@ -95,11 +101,12 @@ def prepare_inputs(
             got = None if pixel_values is None else tuple(pixel_values.shape)
             raise ValueError(f"pixel_values has shape {got}, the grids need ({n_patches}, {cfg.vision.patch_dim})")
     positions, next_pos = rope.get_rope_index(input_ids, attention_mask, cfg, image_grid_thw, video_grid_thw,
-                                              second_per_grid_ts)
+                                              second_per_grid_ts, types)
     layout = rope.vision_layout(grids, cfg.vision).arrays() if len(grids) else None
     return ModelInputs(
         input_ids=jnp.asarray(input_ids, jnp.int32),
         attention_mask=jnp.asarray(attention_mask, jnp.int32),
+        token_types=jnp.asarray(types, jnp.int32),
         positions=jnp.asarray(positions),
         next_position=jnp.asarray(next_pos),
         pixel_values=None if layout is None else jnp.asarray(pixel_values, jnp.float32),
@@ -128,7 +135,7 @@ def full_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_emb
     """Plain causal forward over whole rows. Returns fp32 logits [B, T, V] (and per-layer hidden)."""
     if vision_embeds is None:
         vision_embeds = encode_vision(params, cfg, inputs)
-    h = embed(params, cfg, inputs.input_ids, vision_embeds)[:, None]
+    h = embed(params, cfg, inputs.input_ids, vision_embeds, inputs.token_types)[:, None]
     cos, sin = rope.mrope_cos_sin(inputs.positions, cfg.text, h.dtype)
     mask = causal_mask(inputs.attention_mask[:, None])
     h, hidden, _ = _decoder(params, cfg, h, cos[:, None], sin[:, None], lambda i: [], mask)
@@ -140,7 +147,7 @@ def prefix_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_e
     """Prompt rows -> (PrefixState, fp32 logits [B, V] at each row's last real token)."""
     if vision_embeds is None:
         vision_embeds = encode_vision(params, cfg, inputs)
-    h = embed(params, cfg, inputs.input_ids, vision_embeds)[:, None]
+    h = embed(params, cfg, inputs.input_ids, vision_embeds, inputs.token_types)[:, None]
     cos, sin = rope.mrope_cos_sin(inputs.positions, cfg.text, h.dtype)
     mask = causal_mask(inputs.attention_mask[:, None])
     h, _, kvs = _decoder(params, cfg, h, cos[:, None], sin[:, None], lambda i: [], mask)

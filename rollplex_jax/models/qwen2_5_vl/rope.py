@@ -22,11 +22,17 @@ from rollplex_jax.config import ModelConfig, TextConfig, VisionConfig
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
 
-def token_types(input_ids: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """0 for text, 1 for image-pad, 2 for video-pad tokens (HF's ``mm_token_type_ids``)."""
+def token_types(input_ids: np.ndarray, cfg: ModelConfig, vision_region: np.ndarray | None = None) -> np.ndarray:
+    """0 for text, 1 for image-pad, 2 for video-pad tokens (HF's ``mm_token_type_ids``).
+
+    Pad ids outside ``vision_region`` (e.g. inside a sampled answer) are text: only the prompt
+    carries images, and a policy may well sample the image-pad id.
+    """
     types = np.zeros_like(input_ids, dtype=np.int32)
     types[input_ids == cfg.image_token_id] = IMAGE
     types[input_ids == cfg.video_token_id] = VIDEO
+    if vision_region is not None:
+        types[~np.asarray(vision_region, bool)] = TEXT
     return types
 
 
@@ -46,6 +52,7 @@ def get_rope_index(
     image_grid_thw: np.ndarray | None = None,
     video_grid_thw: np.ndarray | None = None,
     second_per_grid_ts: np.ndarray | None = None,
+    types: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """3-D positions of every token.
 
@@ -56,6 +63,7 @@ def get_rope_index(
       image_grid_thw, video_grid_thw: [n, 3] grids, in the order the image/video blocks
         appear across the batch (row-major over batch then sequence).
       second_per_grid_ts: [n_videos] seconds per temporal grid step (default 1).
+      types: [B, T] token types (``token_types``); default: from the ids everywhere.
 
     Returns:
       positions [3, B, T] int32 (0 at padding) and next_position [B] int32: the text
@@ -68,7 +76,7 @@ def get_rope_index(
     grids = {IMAGE: iter(image_grid_thw if image_grid_thw is not None else []),
              VIDEO: iter(video_grid_thw if video_grid_thw is not None else [])}
     secs = iter(second_per_grid_ts if second_per_grid_ts is not None else [])
-    all_types = token_types(input_ids, cfg)
+    all_types = token_types(input_ids, cfg) if types is None else types
     for b in range(B):
         keep = attention_mask[b].astype(bool)
         types = all_types[b][keep]

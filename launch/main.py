@@ -1,0 +1,39 @@
+"""Train a VLM with GRPO: python -m launch.main --flagfile=configs/tiny_cpu.flags [--workdir=DIR]
+
+Entry point only: flags -> Config -> rollplex_jax.runner. Writes metrics.jsonl, run_summary.json,
+plots/, TensorBoard events and checkpoints under --workdir (ARCHITECTURE.md "Run outputs").
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+
+from launch import flags as launch_flags
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    cfg = launch_flags.config_from_flags(flags.FLAGS)
+    logging.set_verbosity(logging.WARNING)  # orbax/absl INFO lines would drown the progress bar
+    from rollplex_jax.runner import Runner
+
+    runner = Runner(cfg)
+    for _ in runner.run():
+        pass
+    summary = runner.finish()
+    keys = ("steps_done", "reward/first10_mean", "reward/last20_mean", "eval/greedy_accuracy", "params_sha256",
+            "wall_s")
+    print(json.dumps({k: summary.get(k) for k in keys}))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Outputs are written and closed. A user reward function that hung past its timeout still holds a
+    # thread that the interpreter would wait for at exit: leave without waiting.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    launch_flags.define_flags()
+    app.run(main)

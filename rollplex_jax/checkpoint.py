@@ -1,0 +1,40 @@
+"""orbax CheckpointManager wrapper: the train state plus a JSON record (step, data position, config).
+
+A checkpoint is complete only once orbax has committed it (it writes to a temporary
+directory and renames), so an interrupted save is never taken as a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Saves ``{"state": pytree, "meta": dict}`` under ``<workdir>/checkpoints/<step>``."""
+
+    def __init__(self, workdir: str, keep: int):
+        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+
+    def save(self, step: int, state, meta: dict) -> None:
+        """Starts an asynchronous save (returns before the bytes are on disk)."""
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)), force=True)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def restore(self, step: int, like) -> tuple[object, dict]:
+        """The state (shaped and placed like ``like``) and the meta record of ``step``."""
+        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(like),
+                                                                 meta=ocp.args.JsonRestore()))
+        return out["state"], out["meta"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

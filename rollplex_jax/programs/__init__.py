@@ -1,0 +1,1 @@
+"""The jit-compiled phase programs (reference scoring, actor update) and their host-side inputs."""

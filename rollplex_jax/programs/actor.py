@@ -1,0 +1,109 @@
+"""Actor and reference programs of the serial schedule: full-sequence scoring, loss, gradients, update.
+
+Programs (built once per run by ``make_programs``) and what they donate:
+
+| program            | donates              | notes                                              |
+|--------------------|----------------------|----------------------------------------------------|
+| ``ref_logprobs``   | nothing              | reference params are never donated                 |
+| ``old_logprobs``   | nothing              | actor under theta_k, only with several mini-batches |
+| ``grad``           | nothing              | one micro-batch: loss, gradients, metric sums       |
+| ``accumulate``     | the running sum      | gradient accumulation over micro-batches            |
+| ``update``         | params, opt state    | optax step; skipped (params unchanged) if non-finite|
+
+Token weights are computed on the whole mini-batch and sliced per micro-batch, so the sum of
+micro-batch losses/gradients equals the mini-batch loss/gradient exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rollplex_jax.config import ModelConfig, OptimConfig, RlConfig
+from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, full_forward
+from rollplex_jax.rl import losses
+
+
+def response_logits(params, cfg: ModelConfig, inputs: ModelInputs, prompt_len, n_response: int):
+    """fp32 logits [R, Tr, V] predicting each answer token (rows = prompt ++ answer)."""
+    logits = full_forward(params, cfg, inputs)
+    return jax.lax.dynamic_slice_in_dim(logits, prompt_len - 1, n_response, axis=1)
+
+
+def token_logprobs(logits, response_ids, response_mask):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, response_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.where(response_mask > 0, picked, 0.0)
+
+
+def _logprobs(cfg, params, inputs, prompt_len, response_ids, response_mask):
+    logits = response_logits(params, cfg, inputs, prompt_len, response_ids.shape[1])
+    return token_logprobs(logits, response_ids, response_mask)
+
+
+def _loss(cfg: ModelConfig, rl: RlConfig, params, inputs, prompt_len, response_ids, weights, advantages,
+          old_logp, ref_logp):
+    """Policy loss (+ KL in the loss) of one micro-batch; metrics as weighted sums (additive)."""
+    mask = weights > 0
+    logits = response_logits(params, cfg, inputs, prompt_len, response_ids.shape[1])
+    logp = token_logprobs(logits, response_ids, mask)
+    old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
+    loss, metrics = losses.policy_loss(logp, old, advantages, weights, clip_low=rl.clip_low, clip_high=rl.clip_high)
+    metrics = dict(metrics, pg_loss=loss)
+    if ref_logp is not None:
+        kl = losses.kl_loss(logp, ref_logp, weights, rl.kl_estimator)
+        metrics["kl"] = kl
+        if rl.kl_mode == "loss":
+            loss = loss + rl.kl_coef * kl
+    metrics["entropy"] = losses.entropy_from_logits(jax.lax.stop_gradient(logits), weights)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping; cosine (to final_lr_frac) or constant lr, optional warm-up."""
+    steps = max(total_steps, 1)
+    if optim.lr_schedule == "cosine":
+        decay = optax.cosine_decay_schedule(optim.lr, max(steps - optim.warmup_steps, 1), alpha=optim.final_lr_frac)
+    else:
+        decay = optax.constant_schedule(optim.lr)
+    lr = optax.join_schedules([optax.linear_schedule(0.0, optim.lr, optim.warmup_steps), decay],
+                              [optim.warmup_steps]) if optim.warmup_steps else decay
+    return optax.chain(optax.clip_by_global_norm(optim.grad_clip),
+                       optax.adamw(lr, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay))
+
+
+def _update(tx, params, opt_state, grads):
+    """One optax step; if the gradient norm is not finite, params and state are returned unchanged."""
+    gnorm = optax.global_norm(grads)
+    ok = jnp.isfinite(gnorm)
+    updates, new_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
+    return keep(new_params, params), keep(new_state, opt_state), {"grad_norm": gnorm, "update_ok": ok}
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    ref_logprobs: Callable
+    old_logprobs: Callable
+    grad: Callable
+    accumulate: Callable
+    update: Callable
+    tx: optax.GradientTransformation
+
+
+def make_programs(cfg: ModelConfig, rl: RlConfig, optim: OptimConfig, total_steps: int) -> Programs:
+    """Builds (jits) every program of the serial schedule once."""
+    tx = make_optimizer(optim, total_steps)
+    logprobs = jax.jit(functools.partial(_logprobs, cfg))
+    grad = jax.jit(jax.value_and_grad(functools.partial(_loss, cfg, rl), has_aux=True))
+    accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=0)
+    update = jax.jit(functools.partial(_update, tx), donate_argnums=(0, 1))
+    return Programs(ref_logprobs=logprobs, old_logprobs=logprobs, grad=grad, accumulate=accumulate,
+                    update=update, tx=tx)

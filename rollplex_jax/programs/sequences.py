@@ -1,0 +1,64 @@
+"""Host-side assembly of full sequences (prompt ++ answer) for the serial schedule.
+
+The serial baseline scores and trains on B*G rows, each a left-padded prompt followed
+by one right-padded answer, with the prompt's images repeated for every answer (the
+"per-sample prefix" the Rollplex schedule avoids). Rows are cut into micro-batches, each
+turned into ``ModelInputs`` (M-RoPE positions, vision layout) on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rollout_torch.engine import Prompts, Rollouts, items_per_row
+from rollplex_jax.config import ModelConfig
+from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """Rows [r0, r1) of the flattened B*G sequences, ready for a jit program.
+
+    ``prompt_len`` is the (padded) prompt length Tp: logits at Tp-1+t predict answer token t.
+    """
+
+    rows: slice
+    inputs: ModelInputs
+    prompt_len: int
+    response_ids: np.ndarray  # [R, Tr]
+    response_mask: np.ndarray  # [R, Tr]
+
+
+def micro_batches(cfg: ModelConfig, prompts: Prompts, rollouts: Rollouts, micro_batch: int,
+                  rows: slice | None = None) -> list[MicroBatch]:
+    """Splits rows ``rows`` (default all) of the B*G (prompt ++ answer) rows into micro-batches of
+    at most ``micro_batch`` rows (row r = prompt r // G, answer r % G)."""
+    b, g, tr = rollouts.response_ids.shape
+    merge = cfg.vision.spatial_merge_size**2
+    kinds = []  # (grids, owner per prompt, patch offsets) for images, then videos
+    offset = 0
+    for tok, grids in ((cfg.image_token_id, prompts.image_grid_thw), (cfg.video_token_id, prompts.video_grid_thw)):
+        grids = np.zeros((0, 3), np.int64) if grids is None else np.asarray(grids)
+        starts = offset + np.concatenate([[0], np.cumsum(np.prod(grids, -1))]).astype(np.int64)
+        kinds.append((grids, items_per_row(prompts, tok, grids, merge), starts))
+        offset = int(starts[-1])
+    ids = np.concatenate([np.repeat(prompts.input_ids, g, 0), rollouts.response_ids.reshape(b * g, tr)], 1)
+    mask = np.concatenate([np.repeat(prompts.attention_mask, g, 0), rollouts.mask.reshape(b * g, tr)], 1)
+    region = np.concatenate([np.ones((b * g, prompts.input_ids.shape[1]), bool), np.zeros((b * g, tr), bool)], 1)
+    prompt_of_row = np.repeat(np.arange(b), g)
+    out = []
+    rows = rows or slice(0, b * g)
+    for r0 in range(rows.start, rows.stop, micro_batch):
+        r1 = min(r0 + micro_batch, rows.stop)
+        pix, sel = [], []
+        for grids, owner, starts in kinds:
+            its = [i for p in prompt_of_row[r0:r1] for i in owner[p]]
+            pix += [prompts.pixel_values[starts[i]:starts[i + 1]] for i in its]
+            sel.append(grids[its] if its else None)
+        inputs = prepare_inputs(cfg, ids[r0:r1], mask[r0:r1], np.concatenate(pix) if pix else None, *sel,
+                                vision_region=region[r0:r1])
+        out.append(MicroBatch(slice(r0, r1), inputs, prompts.input_ids.shape[1],
+                              rollouts.response_ids.reshape(b * g, tr)[r0:r1], rollouts.mask.reshape(b * g, tr)[r0:r1]))
+    return out

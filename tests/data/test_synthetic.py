@@ -1,0 +1,84 @@
+"""Synthetic tasks: determinism, balance, the picture matches the answer, dataset files, the launcher."""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rollplex_jax.data.synthetic import ANSWERS, BACKGROUND, COLOURS, PROMPTS, TASKS, make_example, write_dataset
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _draws(task, n, seed):
+    rng = np.random.default_rng(seed)
+    return [make_example(task, rng) for _ in range(n)]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_deterministic_under_seed(task):
+    a, b, c = _draws(task, 20, 7), _draws(task, 20, 7), _draws(task, 20, 8)
+    for (ia, pa, aa), (ib, pb, ab) in zip(a, b, strict=True):
+        assert np.array_equal(np.asarray(ia), np.asarray(ib)) and (pa, aa) == (pb, ab)
+    assert any(not np.array_equal(np.asarray(x[0]), np.asarray(y[0])) for x, y in zip(a, c, strict=True))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_balanced_answers_and_constant_prompt(task):
+    draws = _draws(task, 2000, 0)
+    counts = collections.Counter(a for _, _, a in draws)
+    assert set(counts) == set(ANSWERS[task])
+    assert all(400 <= c <= 600 for c in counts.values()), counts  # 500 expected, std ~19
+    assert {p for _, p, _ in draws} == {PROMPTS[task]}
+    assert all(im.size == (56, 56) and im.mode == "RGB" for im, _, _ in draws[:50])
+
+
+def _foreground(image):
+    return np.any(np.asarray(image) != np.asarray(BACKGROUND, np.uint8), axis=-1)
+
+
+def test_picture_matches_answer():
+    for image, _, answer in _draws("colour", 100, 1):
+        px = np.asarray(image)[_foreground(image)]
+        assert len(px) >= 14 * 14 and (px == np.asarray(COLOURS[answer], np.uint8)).all()
+    names = ANSWERS["quadrant"]
+    for image, _, answer in _draws("quadrant", 100, 2):
+        ys, xs = np.nonzero(_foreground(image))
+        q = {(int(y >= 28), int(x >= 28)) for y, x in zip(ys, xs, strict=True)}
+        assert len(q) == 1
+        (row, col), = q
+        assert names[2 * row + col] == answer
+    for image, _, answer in _draws("count", 200, 3):
+        fg = np.pad(_foreground(image), ((1, 0), (1, 0)))
+        corners = fg[1:, 1:] & ~fg[:-1, 1:] & ~fg[1:, :-1]  # top-left corner of each (separate) square
+        assert int(corners.sum()) == int(answer)
+
+
+def test_write_dataset(tmp_path):
+    path = write_dataset("quadrant", 12, tmp_path / "a", seed=3)
+    assert path == str(tmp_path / "a" / "data.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    assert len(rows) == 12
+    assert rows[0] == {"images": ["images/000000.png"], "prompt": PROMPTS["quadrant"], "answer": rows[0]["answer"]}
+    assert all(os.path.isfile(tmp_path / "a" / r["images"][0]) for r in rows)
+    write_dataset("quadrant", 12, tmp_path / "b", seed=3)
+    for name in ["data.jsonl", "images/000000.png", "images/000011.png"]:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    with pytest.raises(ValueError, match="task='shape'"):
+        write_dataset("shape", 1, tmp_path, seed=0)
+
+
+def test_make_dataset_cli(tmp_path):
+    out = tmp_path / "ds"
+    r = subprocess.run([sys.executable, "-m", "launch.make_dataset", "--task=count", "--n=8", f"--out={out}",
+                        "--seed=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert str(out / "data.jsonl") in r.stdout and "answers:" in r.stdout
+    assert len((out / "data.jsonl").read_text().splitlines()) == 8
+    bad = subprocess.run([sys.executable, "-m", "launch.make_dataset", "--task=shape", "--n=8", f"--out={out}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "task" in bad.stderr
