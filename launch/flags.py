@@ -167,7 +167,7 @@ _SECTIONS = {"data": C.DataConfig, "rollout": C.RolloutConfig, "rl": C.RlConfig,
 # Flags whose name is not the field's (kept short, or the names scripts rely on: ARCHITECTURE.md).
 _RENAMES = {("checkpoint", "every"): "checkpoint_every", ("checkpoint", "keep"): "checkpoint_keep"}
 _CHOICES = {
-    ("rollout", "engine"): C.ENGINES, ("run", "schedule"): C.SCHEDULES, ("rl", "advantage"): C.ADVANTAGES,
+    ("rollout", "engine"): C.ENGINES, ("run", "schedule"): C.SCHEDULES, ("run", "actor_prefix"): C.ACTOR_PREFIX, ("rl", "advantage"): C.ADVANTAGES,
     ("rl", "loss_agg"): C.LOSS_AGGS, ("rl", "kl_mode"): C.KL_MODES, ("rl", "kl_estimator"): C.KL_ESTIMATORS,
     ("rl", "reward_failure"): C.REWARD_FAILURES, ("optim", "lr_schedule"): C.LR_SCHEDULES,
     ("data", "synthetic_task"): C.SYNTHETIC_TASKS,
@@ -205,14 +205,22 @@ _HELP = {
     "lr": "Peak learning rate.",
     "lr_schedule": "Learning-rate schedule over --steps.",
     "final_lr_frac": "Cosine schedule: final lr as a fraction of --lr.",
+    "decay_steps": "Cosine schedule horizon in steps (0 = --steps); longer than the run keeps the lr higher.",
     "warmup_steps": "Linear warm-up steps.",
     "weight_decay": "AdamW weight decay.",
     "b1": "Adam beta1.",
     "b2": "Adam beta2.",
+    "eps": "Adam epsilon.",
     "grad_clip": "Global gradient-norm clip.",
     "checkpoint_every": "Save an orbax checkpoint every N steps (0 = only at the end).",
     "checkpoint_keep": "Checkpoints kept.",
-    "schedule": "serial: rollout, then reference, then actor over full sequences (the baseline).",
+    "schedule": "serial: rollout, then reference, then actor over full sequences (the baseline); rollplex: "
+                "prefix work of reference and actor dispatched while the rollout decodes, then suffixes.",
+    "prefix_sharing": "rollplex: one prefix per prompt shared by its G answers (--noprefix_sharing: one per answer).",
+    "overlap": "rollplex: dispatch the prefix programs before decoding starts (--nooverlap: after it ends).",
+    "actor_prefix": "rollplex: keep the actor prefix's autograd residuals, or only its boundary KV and recompute "
+                    "the prefix forward in the update (less memory, more compute).",
+    "freeze_vision": "Do not train the vision tower (actor and reference then share one vision encoding per prompt).",
     "progress": "Show a progress bar.",
 }
 

@@ -249,7 +249,8 @@ class ModelConfig:
 
 
 ENGINES = ("hf", "vllm")
-SCHEDULES = ("serial",)
+SCHEDULES = ("serial", "rollplex")
+ACTOR_PREFIX = ("residuals", "recompute")
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_MODES = ("loss", "reward", "off")
@@ -359,19 +360,24 @@ class OptimConfig:
     lr: float = 5e-4
     lr_schedule: str = "cosine"
     final_lr_frac: float = 0.05
+    decay_steps: int = 0
     warmup_steps: int = 0
     weight_decay: float = 0.0
+    freeze_vision: bool = False
     b1: float = 0.9
     b2: float = 0.999
+    eps: float = 1e-8
     grad_clip: float = 1.0
 
     def __post_init__(self):
         _require(self.lr > 0, "optim.lr", self.lr, "must be > 0")
         _choice("optim", "lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _require(0 <= self.final_lr_frac <= 1, "optim.final_lr_frac", self.final_lr_frac, "must be in [0, 1]")
+        _require(self.decay_steps >= 0, "optim.decay_steps", self.decay_steps, "must be >= 0 (0 = --steps)")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be >= 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must be >= 0")
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "optim.b1", (self.b1, self.b2), "b1, b2 must be in [0, 1)")
+        _require(self.eps > 0, "optim.eps", self.eps, "must be > 0")
         _require(self.grad_clip > 0, "optim.grad_clip", self.grad_clip, "must be > 0")
 
 
@@ -396,12 +402,16 @@ class RunConfig:
     steps: int = 1
     model_dir: str = ""
     schedule: str = "serial"
+    prefix_sharing: bool = True
+    overlap: bool = True
+    actor_prefix: str = "residuals"
     progress: bool = True
 
     def __post_init__(self):
         _require(self.steps >= 0, "run.steps", self.steps, "must be >= 0")
         _require(bool(self.workdir), "run.workdir", self.workdir, "must be a non-empty path")
         _choice("run", "schedule", self.schedule, SCHEDULES)
+        _choice("run", "actor_prefix", self.actor_prefix, ACTOR_PREFIX)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -415,6 +425,15 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        n_rows = self.rl.batch_prompts * self.rollout.group_size
+        _require(self.rl.mini_batches <= n_rows, "rl.mini_batches", self.rl.mini_batches,
+                 f"must be <= batch_prompts * group_size = {n_rows}")
+        if self.run.schedule == "rollplex":
+            _require(self.rl.batch_prompts % self.rl.mini_batches == 0, "rl.mini_batches", self.rl.mini_batches,
+                     f"must divide batch_prompts={self.rl.batch_prompts} with --schedule=rollplex "
+                     "(a mini-batch is a set of whole prompt groups)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

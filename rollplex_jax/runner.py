@@ -29,8 +29,10 @@ from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
 from rollplex_jax.models.qwen2_5_vl.params import init_params, params_sha256
 from rollplex_jax.programs.actor import make_programs
+from rollplex_jax.programs.split import make_split_programs
 from rollplex_jax.rl.rewards import RewardRunner, resolve_reward_fn
 from rollplex_jax.sharing import WeightPublisher
+from rollplex_jax.trace import Tracer, plot_timeline, write_chrome_trace
 
 
 def _check_tokenizer(cfg: Config, tok) -> None:
@@ -73,9 +75,13 @@ class Runner:
                               max_workers=cfg.rl.reward_workers, on_failure=cfg.rl.reward_failure)
         self.reward = reward
         stop = tuple(sorted({self.tokenizer.eos_id, cfg.model.eos_token_id}))
+        split = None
+        if cfg.run.schedule == "rollplex":
+            split = make_split_programs(cfg.model, cfg.rl, residuals=cfg.run.actor_prefix == "residuals")
         self.ctx = scheduler.StepContext(cfg=cfg, programs=self.programs, engine=self.engine,
                                          publisher=WeightPublisher(self.engine), reward_fn=reward,
-                                         decode=self.tokenizer.decode, stop_ids=stop)
+                                         decode=self.tokenizer.decode, stop_ids=stop, split=split)
+        self.tracer = Tracer()
         self.writer = outputs.MetricsWriter(self.workdir)
         self.checkpointer = Checkpointer(self.workdir, cfg.checkpoint.keep)
         self.step = 0
@@ -136,7 +142,9 @@ class Runner:
         batch = [self.train_set[i] for i in idx]
         prompts = data_lib.collate(batch, self.tokenizer.pad_id)
         seed = self.cfg.run.seed * 1_000_003 + self.step
-        result = scheduler.serial_step(self.ctx, self.state, prompts, [e.answer for e in batch], seed=seed)
+        step_fn = scheduler.rollplex_step if self.cfg.run.schedule == "rollplex" else scheduler.serial_step
+        result = step_fn(self.ctx, self.state, prompts, [e.answer for e in batch], seed=seed, step=self.step,
+                         tracer=self.tracer)
         self.state, self.last, self.last_prompts = result.state, result, batch
         self.step += 1
         metrics = dict(result.metrics)
@@ -198,6 +206,7 @@ class Runner:
         outputs.write_summary(self.workdir, summary)
         if self.history:
             outputs.plot_reward(self.history, os.path.join(self.workdir, "plots", "reward.png"))
+        self.write_timeline()
         self.close()
         return summary
 
@@ -206,6 +215,14 @@ class Runner:
         self.checkpointer.close()
         self.writer.close()
         self.reward.close()
+
+    def write_timeline(self, last_steps: int = 3) -> None:
+        """trace.json (every step's phases on their lanes) and plots/timeline.png (the last few steps)."""
+        spans = self.tracer.spans
+        write_chrome_trace(spans, os.path.join(self.workdir, "trace.json"))
+        shown = sorted({s.step for s in spans})[-last_steps:]
+        plot_timeline(spans, os.path.join(self.workdir, "plots", "timeline.png"), steps=shown,
+                      title=f"{self.cfg.run.schedule} schedule: last {len(shown)} steps")
 
     @property
     def last_rollouts(self) -> Rollouts | None:

@@ -23,11 +23,13 @@ import numpy as np
 
 from rollout_torch.engine import Engine, Prompts, Rollouts, SamplingParams
 from rollplex_jax.config import Config
+from rollplex_jax.models.qwen2_5_vl.model import prepare_inputs
 from rollplex_jax.programs.actor import Programs
-from rollplex_jax.programs.sequences import micro_batches
+from rollplex_jax.programs.sequences import micro_batches, repeat_rows
 from rollplex_jax.rl import advantages as adv_lib
 from rollplex_jax.rl import losses
 from rollplex_jax.sharing import WeightPublisher
+from rollplex_jax.trace import Tracer
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +53,7 @@ class StepContext:
     reward_fn: Callable[[list[str], list[str]], tuple[np.ndarray, int]]
     decode: Callable[[list[int]], str]
     stop_ids: tuple[int, ...]
+    split: Any = None  # programs.split.SplitPrograms, for --schedule=rollplex
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,23 +63,6 @@ class StepResult:
     rollouts: Rollouts
     texts: list[list[str]]
     rewards: np.ndarray
-
-
-class _Timer:
-    def __init__(self):
-        self.times: dict[str, float] = {}
-
-    def __call__(self, phase: str):
-        timer = self
-
-        class _Span:
-            def __enter__(self):
-                self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.times[phase] = timer.times.get(phase, 0.0) + time.perf_counter() - self.t
-
-        return _Span()
 
 
 def response_texts(rollouts: Rollouts, decode, stop_ids) -> list[list[str]]:
@@ -105,54 +91,217 @@ def sample(ctx: StepContext, params: dict, prompts: Prompts, *, n: int, seed: in
         ctx.publisher.release()
 
 
-def serial_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], *,
-                seed: int) -> StepResult:
-    """One synchronous on-policy GRPO-family step. ``answers`` has one entry per prompt."""
-    cfg, prog, timer = ctx.cfg, ctx.programs, _Timer()
-    t_start = time.perf_counter()
-    g = cfg.rollout.group_size
-    with timer("rollout"):
-        rollouts = sample(ctx, state.params, prompts, n=g, seed=seed)
-    b, _, tr = rollouts.response_ids.shape
-    with timer("reward"):
+def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], seed: int,
+                         tracer: Tracer, step: int, during_decode=None):
+    """Rollout (with ``during_decode()`` dispatched after binding, before decoding) and rewards."""
+    g = ctx.cfg.rollout.group_size
+    r = ctx.cfg.rollout
+    sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                        stop_token_ids=ctx.stop_ids, seed=seed)
+    ctx.publisher.publish(state.params, version=step)
+    try:
+        dispatched = during_decode() if during_decode is not None else None
+        with tracer.span("torch decode", "rollout", step):
+            rollouts = ctx.engine.generate(prompts, g, sp)
+    finally:
+        ctx.publisher.release()
+    b = rollouts.response_ids.shape[0]
+    with tracer.span("rewards", "reward", step):
         texts = response_texts(rollouts, ctx.decode, ctx.stop_ids)
         flat, failures = ctx.reward_fn([t for row in texts for t in row], [a for a in answers for _ in range(g)])
         rewards = np.asarray(flat, np.float32).reshape(b, g)
+    return rollouts, texts, rewards, failures, dispatched
 
-    use_ref = cfg.rl.kl_mode != "off"
-    mbs = [mb for rows in mini_batch_rows(b * g, cfg.rl.mini_batches)
-           for mb in micro_batches(cfg.model, prompts, rollouts, cfg.rl.micro_batch, rows)]
-    ref_logp = None
-    if use_ref:
-        with timer("reference"):
-            ref_logp = jnp.concatenate([prog.ref_logprobs(state.ref_params, mb.inputs, mb.prompt_len,
-                                                          mb.response_ids, mb.response_mask) for mb in mbs])
+
+class _SerialOps:
+    """Full-sequence scoring and gradients (the baseline): B*G rows of prompt ++ answer."""
+
+    def __init__(self, ctx: StepContext, state: TrainState, prompts: Prompts, rollouts: Rollouts, tracer, step):
+        cfg = ctx.cfg
+        b, g, _ = rollouts.response_ids.shape
+        self.prog, self.tracer, self.step = ctx.programs, tracer, step
+        self.mbs = [mb for rows in mini_batch_rows(b * g, cfg.rl.mini_batches)
+                    for mb in micro_batches(cfg.model, prompts, rollouts, cfg.rl.micro_batch, rows)]
+        self.ref_params = state.ref_params
+
+    def ref_logp(self):
+        with self.tracer.span("JAX suffix", "reference", self.step):
+            return jax.block_until_ready(jnp.concatenate(
+                [self.prog.ref_logprobs(self.ref_params, mb.inputs, mb.prompt_len, mb.response_ids, mb.response_mask)
+                 for mb in self.mbs]))
+
+    def logp(self, params):
+        return jnp.concatenate([self.prog.old_logprobs(params, mb.inputs, mb.prompt_len, mb.response_ids,
+                                                       mb.response_mask) for mb in self.mbs])
+
+    def grads(self, params, rows: slice, weights, adv, old, ref, version):
+        acc, parts = None, []
+        for mb in (m for m in self.mbs if rows.start <= m.rows.start < rows.stop):
+            r = slice(mb.rows.start - rows.start, mb.rows.stop - rows.start)
+            o = None if old is None else old[mb.rows]
+            f = None if ref is None else ref[mb.rows]
+            (_, m), gr = self.prog.grad(params, mb.inputs, mb.prompt_len, mb.response_ids, weights[r], adv[mb.rows],
+                                        o, f)
+            acc = gr if acc is None else self.prog.accumulate(acc, gr)
+            parts.append(m)
+        return acc, parts
+
+
+class StaleBoundaryError(RuntimeError):
+    """A boundary state computed under one params version was handed to a consumer at another."""
+
+
+@dataclasses.dataclass
+class Boundary:
+    """Prefix outputs of B' prompts (B' = B with prefix sharing, B*G without), tagged with a params version."""
+
+    version: int
+    k: jax.Array
+    v: jax.Array
+    last: jax.Array
+    vjp: object | None = None
+
+    def check(self, version: int, consumer: str) -> None:
+        if self.version != version:
+            raise StaleBoundaryError(f"{consumer}: boundary state was computed under params version {self.version} "
+                                     f"but the consumer runs at version {version}; recompute the prefix")
+
+
+class _RollplexOps:
+    """Prefix/suffix scoring and gradients; the prefix programs may run during the decode."""
+
+    def __init__(self, ctx: StepContext, state: TrainState, prompts: Prompts, tracer, step, version):
+        cfg = ctx.cfg
+        self.cfg, self.sp, self.tracer, self.step, self.version = cfg, ctx.split, tracer, step, version
+        g = cfg.rollout.group_size
+        self.n = g if cfg.run.prefix_sharing else 1
+        rows = prompts if cfg.run.prefix_sharing else repeat_rows(cfg.model, prompts, g)
+        self.inputs = prepare_inputs(cfg.model, rows.input_ids, rows.attention_mask, rows.pixel_values,
+                                     rows.image_grid_thw, rows.video_grid_thw)
+        self.state = state
+        self.residuals = cfg.run.actor_prefix == "residuals"
+        self.use_ref = cfg.rl.kl_mode != "off"
+
+    def dispatch(self):
+        """Asynchronously dispatches vision (if frozen), actor prefix and reference prefix under theta_k."""
+        t0 = self.tracer.now()
+        p, inputs = self.state.params, self.inputs
+        self.emb = self.sp.vision(p, inputs) if self.cfg.optim.freeze_vision else None
+        out = self.sp.actor_prefix(p, inputs, self.emb)
+        self.actor = Boundary(self.version, *out) if self.residuals else Boundary(self.version, *out[:3])
+        self.ref = None
+        if self.use_ref:
+            k, v, last = self.sp.ref_prefix(self.state.ref_params, inputs, self.emb)
+            self.ref = Boundary(self.version, k, v, last)
+        self._dispatch_t0 = t0
+        return self
+
+    def wait_prefix(self):
+        """Blocks until the prefix work is done; records its span (dispatch -> ready)."""
+        jax.block_until_ready((self.actor.k, self.actor.last, None if self.ref is None else self.ref.last))
+        self.tracer.add("JAX prefix", "prefix", self.step, self._dispatch_t0, self.tracer.now())
+
+    def set_rollouts(self, rollouts: Rollouts):
+        b, g, tr = rollouts.response_ids.shape
+        self.shape = (b * g // self.n, self.n, tr)
+        self.resp = jnp.asarray(rollouts.response_ids.reshape(self.shape), jnp.int32)
+        self.rmask = jnp.asarray(rollouts.mask.reshape(self.shape) > 0)
+
+    def _mask_pos(self):
+        return self.inputs.attention_mask.astype(bool), self.inputs.next_position
+
+    def ref_logp(self):
+        self.ref.check(self.version, "reference suffix")
+        with self.tracer.span("JAX suffix", "reference", self.step):
+            lp = self.sp.suffix_logp(self.state.ref_params, self.ref.k, self.ref.v, self.ref.last, *self._mask_pos(),
+                                     self.resp, self.rmask)
+            return jax.block_until_ready(lp.reshape(-1, self.shape[-1]))
+
+    def logp(self, params):
+        self.actor.check(self.version, "actor suffix")
+        lp = self.sp.suffix_logp(params, self.actor.k, self.actor.v, self.actor.last, *self._mask_pos(), self.resp,
+                                 self.rmask)
+        return lp.reshape(-1, self.shape[-1])
+
+    def grads(self, params, rows: slice, weights, adv, old, ref, version):
+        """Gradient of the loss on rows ``rows`` (weights elsewhere 0). Only the first mini-batch (params still
+        theta_k) may use the precomputed prefix; later ones recompute it under the current params."""
+        full_w = jnp.zeros(self.shape, jnp.float32).reshape(-1, self.shape[-1]).at[rows].set(weights)
+        shaped = lambda x: None if x is None else x.reshape(self.shape)  # noqa: E731
+        args = (full_w.reshape(self.shape), adv.reshape(self.shape[:2]), shaped(old), shaped(ref))
+        if version == self.version and self.residuals:
+            self.actor.check(version, "actor update")
+            g, m = self.sp.grads_residuals(params, self.actor.k, self.actor.v, self.actor.last, self.actor.vjp,
+                                           *self._mask_pos(), self.resp, *args)
+        else:
+            g, m = self.sp.grads_recompute(params, self.inputs, self.emb, self.resp, *args)
+        return g, [m]
+
+    def drop(self):
+        """Ends the life of the boundary state and residuals (their buffers are freed)."""
+        self.actor = self.ref = None
+
+
+def serial_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], *, seed: int,
+                step: int = 0, tracer: Tracer | None = None) -> StepResult:
+    """One synchronous on-policy step, the classic way (the baseline and the equivalence oracle)."""
+    tracer = tracer or Tracer()
+    t0 = time.perf_counter()
+    rollouts, texts, rewards, failures, _ = _rollout_and_rewards(ctx, state, prompts, answers, seed, tracer, step)
+    ops = _SerialOps(ctx, state, prompts, rollouts, tracer, step)
+    return _learn(ctx, state, ops, rollouts, texts, rewards, failures, tracer, step, t0)
+
+
+def rollplex_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], *, seed: int,
+                  step: int = 0, tracer: Tracer | None = None) -> StepResult:
+    """One step of the Rollplex schedule: the same update as ``serial_step`` (tested), computed through the
+    prefix/suffix split, with the prefix programs dispatched before decoding when ``--overlap``."""
+    tracer = tracer or Tracer()
+    t0 = time.perf_counter()
+    ops = _RollplexOps(ctx, state, prompts, tracer, step, version=step)
+    overlap = ctx.cfg.run.overlap
+    rollouts, texts, rewards, failures, _ = _rollout_and_rewards(
+        ctx, state, prompts, answers, seed, tracer, step, during_decode=ops.dispatch if overlap else None)
+    if not overlap:
+        ops.dispatch()
+    ops.wait_prefix()
+    ops.set_rollouts(rollouts)
+    result = _learn(ctx, state, ops, rollouts, texts, rewards, failures, tracer, step, t0)
+    ops.drop()
+    return result
+
+
+def _learn(ctx: StepContext, state: TrainState, ops, rollouts: Rollouts, texts, rewards, failures, tracer, step,
+           t0) -> StepResult:
+    """Reference scoring, advantages, and the mini-batch updates, for either schedule's ``ops``."""
+    cfg = ctx.cfg
+    b, g, tr = rollouts.response_ids.shape
+    ref_logp = ops.ref_logp() if cfg.rl.kl_mode != "off" else None
     scores = jnp.asarray(rewards)
     mask = jnp.asarray(rollouts.mask.reshape(b * g, tr))
     if cfg.rl.kl_mode == "reward":
-        with timer("reference"):
-            old = _logprobs_all(prog, state.params, mbs)
+        old = ops.logp(state.params)
         scores = losses.kl_penalized_rewards(scores, old.reshape(b, g, tr), ref_logp.reshape(b, g, tr),
                                              mask.reshape(b, g, tr), cfg.rl.kl_coef, cfg.rl.kl_estimator)
     adv = adv_lib.compute_advantages(scores, cfg.rl.advantage, norm_by_std=cfg.rl.norm_by_std)
     metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
                "reward/failures": float(failures), "response_length/mean": float(rollouts.lengths.mean()),
                "response/stop_frac": float(np.mean([r == "stop" for row in rollouts.finish_reasons for r in row]))}
-
     # No signal: every advantage is zero, or every answer is empty -> no optimizer step at all
     # (a zero gradient would still move AdamW's params through its moments).
     if not should_update(adv, rollouts.lengths):
         metrics.update({"skipped_steps/no_signal": 1.0, "skipped_steps/nonfinite": 0.0})
-        if use_ref:
-            metrics["kl"] = _kl_metric(prog, state, mbs, ref_logp, mask, cfg)
+        if ref_logp is not None:
+            w = losses.token_weights(mask, "token-mean")
+            metrics["kl"] = float(losses.kl_loss(ops.logp(state.params), ref_logp, w, cfg.rl.kl_estimator))
         new_state = state
     else:
-        with timer("actor"):
-            new_state, train_metrics = _train(prog, cfg, state, mbs, adv.reshape(b * g), mask, ref_logp, timer)
+        new_state, train_metrics = _train(ctx, state, ops, adv.reshape(b * g), mask, ref_logp, tracer, step)
         metrics.update(train_metrics)
         metrics["skipped_steps/no_signal"] = 0.0
-    metrics.update({f"time/{k}_s": v for k, v in timer.times.items()})
-    metrics["time/step_s"] = time.perf_counter() - t_start
+    for name, secs in tracer.phase_totals(step).items():
+        metrics[f"time/{name}_s"] = secs
+    metrics["time/step_s"] = time.perf_counter() - t0
     return StepResult(new_state, metrics, rollouts, texts, rewards)
 
 
@@ -167,39 +316,29 @@ def mini_batch_rows(n_rows: int, n_mini: int) -> list[slice]:
     return [slice(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
 
 
-def _logprobs_all(prog: Programs, params, mbs) -> jax.Array:
-    return jnp.concatenate([prog.old_logprobs(params, mb.inputs, mb.prompt_len, mb.response_ids, mb.response_mask)
-                            for mb in mbs])
+def _train(ctx: StepContext, state: TrainState, ops, adv, mask, ref_logp, tracer, step):
+    """Mini-batch loop: gradients (accumulated over micro-batches), then one donated optax update each.
 
-
-def _kl_metric(prog, state, mbs, ref_logp, mask, cfg) -> float:
-    logp = _logprobs_all(prog, state.params, mbs)
-    w = losses.token_weights(mask, "token-mean")
-    return float(losses.kl_loss(logp, ref_logp, w, cfg.rl.kl_estimator))
-
-
-def _train(prog: Programs, cfg: Config, state: TrainState, mbs, adv, mask, ref_logp, timer):
-    """Mini-batch loop: gradient accumulation over micro-batches, then one donated optax update each."""
+    The optimizer commits theta_{k+1} only after every reader of theta_k (rollout views, prefix
+    programs, the first mini-batch's gradient) is done: the update blocks on its inputs.
+    """
+    cfg, prog = ctx.cfg, ctx.programs
     n_mini = cfg.rl.mini_batches
-    old_logp = _logprobs_all(prog, state.params, mbs) if n_mini > 1 else None  # theta_k, before any update
-    params, opt_state = state.params, state.opt_state
+    old_logp = ops.logp(state.params) if n_mini > 1 else None  # theta_k, before any update
+    params, opt_state, version = state.params, state.opt_state, step
     sums: dict[str, float] = {}
     skipped = 0
     for rows in mini_batch_rows(mask.shape[0], n_mini):
-        lo, hi = rows.start, rows.stop
-        weights = losses.token_weights(mask[lo:hi], cfg.rl.loss_agg)
-        acc = None
-        for mb in (m for m in mbs if lo <= m.rows.start < hi):
-            r = slice(mb.rows.start - lo, mb.rows.stop - lo)
-            old = None if old_logp is None else old_logp[mb.rows]
-            ref = None if ref_logp is None else ref_logp[mb.rows]
-            (_, m), grads = prog.grad(params, mb.inputs, mb.prompt_len, mb.response_ids, weights[r],
-                                      adv[mb.rows], old, ref)
-            acc = grads if acc is None else prog.accumulate(acc, grads)
+        weights = losses.token_weights(mask[rows], cfg.rl.loss_agg)
+        with tracer.span("JAX suffix", "actor", step):
+            grads, parts = ops.grads(params, rows, weights, adv, old_logp, ref_logp, version)
+            jax.block_until_ready(grads)
+        for m in parts:
             _combine(sums, {k: float(v) for k, v in m.items()}, n_mini)
-        with timer("update"):
-            params, opt_state, um = prog.update(params, opt_state, acc)
+        with tracer.span("update", "update", step):
+            params, opt_state, um = prog.update(params, opt_state, grads)
             ok = bool(um["update_ok"])
+        version += 1
         skipped += not ok
         sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(um["grad_norm"]) / n_mini
     sums["skipped_steps/nonfinite"] = float(skipped)

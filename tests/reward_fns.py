@@ -14,3 +14,8 @@ def flaky(response: str, answer: str) -> float:
     if response.startswith("b"):
         raise ValueError("flaky verifier")
     return float(response.strip() == answer.strip())
+
+
+def length_parity(response: str, answer: str) -> float:
+    """A deterministic reward with variance inside groups (for equivalence tests of the update)."""
+    return float(len(response) % 2)

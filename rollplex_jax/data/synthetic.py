@@ -4,7 +4,7 @@ Three tasks, each a 56x56 RGB picture of flat squares on a dark grey background,
 that is the same for every example of the task, and a one-token answer (in
 ``TinyTokenizer``'s vocabulary), so the answer can only be read from the image:
 
-- ``colour``: one square (side 14-22 px) of red / green / blue / yellow, anywhere.
+- ``colour``: one square (side 24-36 px) of red / green / blue / yellow, anywhere.
 - ``quadrant``: one white square (side 8-14 px) wholly inside one quadrant; the answer is
   top-left / top-right / bottom-left / bottom-right.
 - ``count``: 1-4 white squares (side 8-12 px) that neither overlap nor touch (>= 2 px apart).
@@ -52,7 +52,7 @@ def _sizes(image_size: int, lo: int, hi: int) -> tuple[int, int]:
 
 def _colour(draw, rng, size):
     answer = ANSWERS["colour"][int(rng.integers(4))]
-    lo, hi = _sizes(size, 14, 22)
+    lo, hi = _sizes(size, 24, 36)
     side = int(rng.integers(lo, hi + 1))
     x, y = (int(v) for v in rng.integers(0, size - side + 1, size=2))
     _square(draw, x, y, side, COLOURS[answer])

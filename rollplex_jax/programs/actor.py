@@ -65,21 +65,37 @@ def _loss(cfg: ModelConfig, rl: RlConfig, params, inputs, prompt_len, response_i
     return loss, metrics
 
 
+FROZEN_VISION = ("visual.",)
+
+
+def frozen_prefixes(optim: OptimConfig) -> tuple[str, ...]:
+    return FROZEN_VISION if optim.freeze_vision else ()
+
+
 def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; cosine (to final_lr_frac) or constant lr, optional warm-up."""
-    steps = max(total_steps, 1)
+    """AdamW with global-norm clipping; cosine (to final_lr_frac over decay_steps, default the run's
+    steps) or constant lr, optional linear warm-up."""
+    steps = max(optim.decay_steps or total_steps, 1)
     if optim.lr_schedule == "cosine":
         decay = optax.cosine_decay_schedule(optim.lr, max(steps - optim.warmup_steps, 1), alpha=optim.final_lr_frac)
     else:
         decay = optax.constant_schedule(optim.lr)
     lr = optax.join_schedules([optax.linear_schedule(0.0, optim.lr, optim.warmup_steps), decay],
                               [optim.warmup_steps]) if optim.warmup_steps else decay
-    return optax.chain(optax.clip_by_global_norm(optim.grad_clip),
-                       optax.adamw(lr, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay))
+    adamw = optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay)
+    if optim.freeze_vision:  # frozen params take no update at all (weight decay included)
+        adamw = optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()},
+                                      lambda p: {k: "frozen" if k.startswith(FROZEN_VISION) else "train" for k in p})
+    return optax.chain(optax.clip_by_global_norm(optim.grad_clip), adamw)
 
 
-def _update(tx, params, opt_state, grads):
-    """One optax step; if the gradient norm is not finite, params and state are returned unchanged."""
+def _update(tx, frozen: tuple[str, ...], params, opt_state, grads):
+    """One optax step; if the gradient norm is not finite, params and state are returned unchanged.
+
+    Parameters whose name starts with one of ``frozen`` get a zero gradient (so they take no
+    part in clipping and, with no weight decay on a zero update, never move).
+    """
+    grads = {k: jnp.zeros_like(g) if k.startswith(frozen) else g for k, g in grads.items()} if frozen else grads
     gnorm = optax.global_norm(grads)
     ok = jnp.isfinite(gnorm)
     updates, new_state = tx.update(grads, opt_state, params)
@@ -104,6 +120,6 @@ def make_programs(cfg: ModelConfig, rl: RlConfig, optim: OptimConfig, total_step
     logprobs = jax.jit(functools.partial(_logprobs, cfg))
     grad = jax.jit(jax.value_and_grad(functools.partial(_loss, cfg, rl), has_aux=True))
     accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=0)
-    update = jax.jit(functools.partial(_update, tx), donate_argnums=(0, 1))
+    update = jax.jit(functools.partial(_update, tx, frozen_prefixes(optim)), donate_argnums=(0, 1))
     return Programs(ref_logprobs=logprobs, old_logprobs=logprobs, grad=grad, accumulate=accumulate,
                     update=update, tx=tx)

@@ -36,14 +36,7 @@ def micro_batches(cfg: ModelConfig, prompts: Prompts, rollouts: Rollouts, micro_
     """Splits rows ``rows`` (default all) of the B*G (prompt ++ answer) rows into micro-batches of
     at most ``micro_batch`` rows (row r = prompt r // G, answer r % G)."""
     b, g, tr = rollouts.response_ids.shape
-    merge = cfg.vision.spatial_merge_size**2
-    kinds = []  # (grids, owner per prompt, patch offsets) for images, then videos
-    offset = 0
-    for tok, grids in ((cfg.image_token_id, prompts.image_grid_thw), (cfg.video_token_id, prompts.video_grid_thw)):
-        grids = np.zeros((0, 3), np.int64) if grids is None else np.asarray(grids)
-        starts = offset + np.concatenate([[0], np.cumsum(np.prod(grids, -1))]).astype(np.int64)
-        kinds.append((grids, items_per_row(prompts, tok, grids, merge), starts))
-        offset = int(starts[-1])
+    spans = _grid_spans(cfg, prompts)
     ids = np.concatenate([np.repeat(prompts.input_ids, g, 0), rollouts.response_ids.reshape(b * g, tr)], 1)
     mask = np.concatenate([np.repeat(prompts.attention_mask, g, 0), rollouts.mask.reshape(b * g, tr)], 1)
     region = np.concatenate([np.ones((b * g, prompts.input_ids.shape[1]), bool), np.zeros((b * g, tr), bool)], 1)
@@ -52,13 +45,39 @@ def micro_batches(cfg: ModelConfig, prompts: Prompts, rollouts: Rollouts, micro_
     rows = rows or slice(0, b * g)
     for r0 in range(rows.start, rows.stop, micro_batch):
         r1 = min(r0 + micro_batch, rows.stop)
-        pix, sel = [], []
-        for grids, owner, starts in kinds:
-            its = [i for p in prompt_of_row[r0:r1] for i in owner[p]]
-            pix += [prompts.pixel_values[starts[i]:starts[i + 1]] for i in its]
-            sel.append(grids[its] if its else None)
-        inputs = prepare_inputs(cfg, ids[r0:r1], mask[r0:r1], np.concatenate(pix) if pix else None, *sel,
+        pix, sel = _select(prompts, spans, prompt_of_row[r0:r1])
+        inputs = prepare_inputs(cfg, ids[r0:r1], mask[r0:r1], pix, *sel,
                                 vision_region=region[r0:r1])
         out.append(MicroBatch(slice(r0, r1), inputs, prompts.input_ids.shape[1],
                               rollouts.response_ids.reshape(b * g, tr)[r0:r1], rollouts.mask.reshape(b * g, tr)[r0:r1]))
     return out
+
+
+def _grid_spans(cfg: ModelConfig, prompts: Prompts):
+    """For images then videos: (grids, owner grids per prompt row, patch offsets into pixel_values)."""
+    merge = cfg.vision.spatial_merge_size**2
+    out, offset = [], 0
+    for tok, grids in ((cfg.image_token_id, prompts.image_grid_thw), (cfg.video_token_id, prompts.video_grid_thw)):
+        grids = np.zeros((0, 3), np.int64) if grids is None else np.asarray(grids)
+        starts = offset + np.concatenate([[0], np.cumsum(np.prod(grids, -1))]).astype(np.int64)
+        out.append((grids, items_per_row(prompts, tok, grids, merge), starts))
+        offset = int(starts[-1])
+    return out
+
+
+def _select(prompts: Prompts, spans, rows) -> tuple[np.ndarray | None, list]:
+    """pixel_values and (image, video) grids of prompt rows ``rows`` (in that order, with repeats)."""
+    pix, sel = [], []
+    for grids, owner, starts in spans:
+        its = [i for p in rows for i in owner[p]]
+        pix += [prompts.pixel_values[starts[i]:starts[i + 1]] for i in its]
+        sel.append(grids[its] if its else None)
+    return (np.concatenate(pix) if pix else None), sel
+
+
+def repeat_rows(cfg: ModelConfig, prompts: Prompts, g: int) -> Prompts:
+    """Each prompt row (with its images and videos) repeated ``g`` times, in row order p0 x g, p1 x g, ..."""
+    rows = np.repeat(np.arange(prompts.batch_size), g)
+    pix, (img, vid) = _select(prompts, _grid_spans(cfg, prompts), rows)
+    return Prompts(input_ids=prompts.input_ids[rows], attention_mask=prompts.attention_mask[rows],
+                   pixel_values=pix, image_grid_thw=img, video_grid_thw=vid)
