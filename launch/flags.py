@@ -167,7 +167,8 @@ _SECTIONS = {"data": C.DataConfig, "rollout": C.RolloutConfig, "rl": C.RlConfig,
 # Flags whose name is not the field's (kept short, or the names scripts rely on: ARCHITECTURE.md).
 _RENAMES = {("checkpoint", "every"): "checkpoint_every", ("checkpoint", "keep"): "checkpoint_keep"}
 _CHOICES = {
-    ("rollout", "engine"): C.ENGINES, ("run", "schedule"): C.SCHEDULES, ("run", "actor_prefix"): C.ACTOR_PREFIX, ("rl", "advantage"): C.ADVANTAGES,
+    ("rollout", "engine"): C.ENGINES, ("run", "schedule"): C.SCHEDULES, ("run", "actor_prefix"): C.ACTOR_PREFIX,
+    ("rl", "advantage"): C.ADVANTAGES,
     ("rl", "loss_agg"): C.LOSS_AGGS, ("rl", "kl_mode"): C.KL_MODES, ("rl", "kl_estimator"): C.KL_ESTIMATORS,
     ("rl", "reward_failure"): C.REWARD_FAILURES, ("optim", "lr_schedule"): C.LR_SCHEDULES,
     ("data", "synthetic_task"): C.SYNTHETIC_TASKS,
@@ -179,6 +180,7 @@ _HELP = {
                     "synthetic set of --eval_n prompts (other seed) when training on a synthetic task.",
     "synthetic_task": "Built-in visual task used when --dataset is empty.",
     "synthetic_n": "Number of synthetic training prompts to write.",
+    "synthetic_image_size": "Side in px of the synthetic images (56 = 2x2 vision tokens; 112 = 4x4).",
     "eval_n": "Number of held-out prompts for the final greedy evaluation (0 = skip).",
     "engine": "Rollout engine: hf (transformers, everywhere) or vllm (where installed).",
     "group_size": "G: answers sampled per prompt.",
@@ -187,6 +189,8 @@ _HELP = {
     "top_k": "Top-k sampling (0 = off).",
     "max_new_tokens": "Longest answer in tokens.",
     "max_batch": "Most sequences the rollout engine generates at once.",
+    "torch_threads": "CPU threads of the torch rollout (0 = torch's default). 1 leaves the other cores to XLA, "
+                     "which is what lets the prefix programs overlap the decode on a small CPU.",
     "batch_prompts": "B: prompts per RL step (B x G sequences).",
     "advantage": "Advantage estimator.",
     "norm_by_std": "GRPO: divide by the group std (--nonorm_by_std = Dr. GRPO).",

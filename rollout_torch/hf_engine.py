@@ -77,6 +77,11 @@ class HFEngine:
         self._sizes = {s: _Nbytes(int(params[s].nbytes)) for spec in self.binder.specs for s in spec.sources}
         for name, t in self.binder.bind(params).items():
             _set_param(self.model, name, t)
+        self.device = self.model.lm_head.weight.device
+        for _, buf_owner in self.model.named_modules():  # rotary tables follow the weights' device
+            for key, buf in list(buf_owner._buffers.items()):
+                if buf is not None and buf.device != self.device:
+                    buf_owner._buffers[key] = buf.to(self.device)
         self._bound = True
 
     def release(self) -> None:
@@ -151,12 +156,15 @@ class HFEngine:
             max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
             eos_token_id=list(sampling.stop_token_ids) or None, pad_token_id=self.cfg.pad_token_id,
             output_logits=True, return_dict_in_generate=True)
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        kw = {k: v.to(self.device) for k, v in kw.items()}
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
             torch.manual_seed(seed)
             out = self.model.generate(**kw, generation_config=gen)
-        new = out.sequences[:, kw["input_ids"].shape[1]:].numpy()
+        seqs = out.sequences[:, kw["input_ids"].shape[1]:]
         logits = torch.stack(out.logits, dim=1).float()  # raw logits, before temperature/top-p
-        logp = torch.log_softmax(logits, -1).gather(-1, torch.from_numpy(new).long()[..., None])[..., 0].numpy()
+        logp = torch.log_softmax(logits, -1).gather(-1, seqs[..., None])[..., 0].cpu().numpy()
+        new = seqs.cpu().numpy()
         return _finish(new, logp, sampling.stop_token_ids, self.cfg.pad_token_id)
 
 

@@ -116,8 +116,10 @@ class WeightBinder:
 
     def release(self) -> None:
         """Forgets every view handed out; raises ``LiveViewError`` if any tensor still uses one's storage."""
-        gc.collect()
         alive = self.live_views
+        if alive:  # maybe only reference cycles keep them: collect (slow, ~0.1-0.3 s) only then
+            gc.collect()
+            alive = self.live_views
         self._storages = []
         if alive:
             raise LiveViewError(f"{alive} DLPack view(s) of actor buffers are still referenced after release(); "

@@ -277,6 +277,7 @@ class DataConfig:
     eval_dataset: str = ""
     synthetic_task: str = "colour"
     synthetic_n: int = 2048
+    synthetic_image_size: int = 56
     eval_n: int = 256
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
@@ -289,6 +290,8 @@ class DataConfig:
         _require(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "must be > 0")
         _choice("data", "synthetic_task", self.synthetic_task, SYNTHETIC_TASKS)
         _require(self.synthetic_n > 0, "data.synthetic_n", self.synthetic_n, "must be > 0")
+        _require(self.synthetic_image_size >= 56, "data.synthetic_image_size", self.synthetic_image_size,
+                 "must be >= 56 px")
         _require(self.eval_n >= 0, "data.eval_n", self.eval_n, "must be >= 0")
 
 
@@ -303,6 +306,7 @@ class RolloutConfig:
     top_k: int = 0
     max_new_tokens: int = 16
     max_batch: int = 256
+    torch_threads: int = 0
 
     def __post_init__(self):
         _choice("rollout", "engine", self.engine, ENGINES)
@@ -314,6 +318,8 @@ class RolloutConfig:
         _require(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0 (0 = off)")
         _require(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "must be > 0")
         _require(self.max_batch > 0, "rollout.max_batch", self.max_batch, "must be > 0")
+        _require(self.torch_threads >= 0, "rollout.torch_threads", self.torch_threads,
+                 "must be >= 0 (0 = torch's default)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

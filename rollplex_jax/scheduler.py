@@ -98,13 +98,15 @@ def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, 
     r = ctx.cfg.rollout
     sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                         stop_token_ids=ctx.stop_ids, seed=seed)
-    ctx.publisher.publish(state.params, version=step)
+    with tracer.span("host", "bind", step):
+        ctx.publisher.publish(state.params, version=step)
     try:
         dispatched = during_decode() if during_decode is not None else None
         with tracer.span("torch decode", "rollout", step):
             rollouts = ctx.engine.generate(prompts, g, sp)
     finally:
-        ctx.publisher.release()
+        with tracer.span("host", "release", step):
+            ctx.publisher.release()
     b = rollouts.response_ids.shape[0]
     with tracer.span("rewards", "reward", step):
         texts = response_texts(rollouts, ctx.decode, ctx.stop_ids)

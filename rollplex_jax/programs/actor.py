@@ -46,12 +46,13 @@ def _logprobs(cfg, params, inputs, prompt_len, response_ids, response_mask):
     return token_logprobs(logits, response_ids, response_mask)
 
 
-def _loss(cfg: ModelConfig, rl: RlConfig, params, inputs, prompt_len, response_ids, weights, advantages,
-          old_logp, ref_logp):
-    """Policy loss (+ KL in the loss) of one micro-batch; metrics as weighted sums (additive)."""
-    mask = weights > 0
-    logits = response_logits(params, cfg, inputs, prompt_len, response_ids.shape[1])
-    logp = token_logprobs(logits, response_ids, mask)
+def objective(rl: RlConfig, logp, pred_logits, weights, advantages, old_logp, ref_logp):
+    """The actor's loss from answer log-probs and the logits that predicted them (both schedules).
+
+    Policy loss (+ KL in the loss when ``--kl_mode=loss``); metrics: loss, pg_loss, kl, entropy,
+    clip_frac, ratio_mean, approx_kl, weight_sum. ``old_logp=None`` means ratio 1 (one update
+    on fresh samples: old = stop_gradient(logp), exactly theta_k's log-probs).
+    """
     old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
     loss, metrics = losses.policy_loss(logp, old, advantages, weights, clip_low=rl.clip_low, clip_high=rl.clip_high)
     metrics = dict(metrics, pg_loss=loss)
@@ -60,9 +61,17 @@ def _loss(cfg: ModelConfig, rl: RlConfig, params, inputs, prompt_len, response_i
         metrics["kl"] = kl
         if rl.kl_mode == "loss":
             loss = loss + rl.kl_coef * kl
-    metrics["entropy"] = losses.entropy_from_logits(jax.lax.stop_gradient(logits), weights)
+    metrics["entropy"] = losses.entropy_from_logits(jax.lax.stop_gradient(pred_logits), weights)
     metrics["loss"] = loss
     return loss, metrics
+
+
+def _loss(cfg: ModelConfig, rl: RlConfig, params, inputs, prompt_len, response_ids, weights, advantages,
+          old_logp, ref_logp):
+    """The objective on one micro-batch of full sequences (prompt ++ answer rows)."""
+    logits = response_logits(params, cfg, inputs, prompt_len, response_ids.shape[1])
+    logp = token_logprobs(logits, response_ids, weights > 0)
+    return objective(rl, logp, logits, weights, advantages, old_logp, ref_logp)
 
 
 FROZEN_VISION = ("visual.",)

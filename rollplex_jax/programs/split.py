@@ -36,7 +36,7 @@ from rollplex_jax.models.qwen2_5_vl.model import (
     suffix_forward,
     token_logprobs,
 )
-from rollplex_jax.rl import losses
+from rollplex_jax.programs.actor import objective
 
 
 def _prefix(cfg: ModelConfig, params, inputs: ModelInputs, vision_embeds):
@@ -58,22 +58,11 @@ def _suffix_logp(cfg, params, k, v, last, mask, next_pos, response_ids, response
 
 def _suffix_loss(cfg: ModelConfig, rl: RlConfig, params, k, v, last, mask, next_pos, response_ids, weights,
                  advantages, old_logp, ref_logp):
-    """The serial loss (policy loss + KL in the loss), on [B, N, Tr] answers over a shared prefix."""
-    rmask = weights > 0
-    logp, logits = _suffix_logp(cfg, params, k, v, last, mask, next_pos, response_ids, rmask)
-    old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
-    loss, metrics = losses.policy_loss(logp, old, advantages, weights, clip_low=rl.clip_low, clip_high=rl.clip_high)
-    metrics = dict(metrics, pg_loss=loss)
-    if ref_logp is not None:
-        kl = losses.kl_loss(logp, ref_logp, weights, rl.kl_estimator)
-        metrics["kl"] = kl
-        if rl.kl_mode == "loss":
-            loss = loss + rl.kl_coef * kl
+    """The serial objective (``actor.objective``) on [B, N, Tr] answers over a shared prefix."""
+    logp, logits = _suffix_logp(cfg, params, k, v, last, mask, next_pos, response_ids, weights > 0)
     b, n, t, vsz = logits.shape
     pred = jnp.concatenate([jnp.broadcast_to(last[:, None, None], (b, n, 1, vsz)), logits[:, :, :-1]], axis=2)
-    metrics["entropy"] = losses.entropy_from_logits(jax.lax.stop_gradient(pred), weights)
-    metrics["loss"] = loss
-    return loss, metrics
+    return objective(rl, logp, pred, weights, advantages, old_logp, ref_logp)
 
 
 def _grads_residuals(cfg, rl, params, k, v, last, vjp, mask, next_pos, response_ids, weights, advantages,
