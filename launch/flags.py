@@ -225,6 +225,8 @@ _HELP = {
     "actor_prefix": "rollplex: keep the actor prefix's autograd residuals, or only its boundary KV and recompute "
                     "the prefix forward in the update (less memory, more compute).",
     "freeze_vision": "Do not train the vision tower (actor and reference then share one vision encoding per prompt).",
+    "resume": "Continue the run in --workdir from its latest complete checkpoint (same per-step metrics and final "
+              "params as an uninterrupted run). Without it, a --workdir that has checkpoints is refused.",
     "progress": "Show a progress bar.",
 }
 

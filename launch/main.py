@@ -6,6 +6,7 @@ plots/, TensorBoard events and checkpoints under --workdir (ARCHITECTURE.md "Run
 
 import json
 import os
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -18,15 +19,35 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     cfg = launch_flags.config_from_flags(flags.FLAGS)
     logging.set_verbosity(logging.WARNING)  # orbax/absl INFO lines would drown the progress bar
+    from rollplex_jax.config import ConfigError
+    from rollplex_jax.data.dataset import DataError
+    from rollplex_jax.data.tokenizer import TokenizerError
+    from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import CheckpointError
     from rollplex_jax.runner import Runner
 
-    runner = Runner(cfg)
+    try:
+        runner = Runner(cfg)
+    except ConfigError as e:
+        raise app.UsageError(str(e)) from None
+    except (DataError, CheckpointError, TokenizerError) as e:  # bad input: say what and where, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    # SLURM (and most schedulers) send SIGTERM before killing: finish the step in flight, write a final
+    # checkpoint (waiting for any save in progress), exit 0; `--resume` continues from it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: runner.request_stop())
     for _ in runner.run():
         pass
-    summary = runner.finish()
-    keys = ("steps_done", "reward/first10_mean", "reward/last20_mean", "eval/greedy_accuracy", "params_sha256",
-            "wall_s")
-    print(json.dumps({k: summary.get(k) for k in keys}))
+    if runner.stop_requested:
+        record = runner.preempt()
+        print(f"SIGTERM: stopped after step {record['steps_done']}, checkpoint saved; rerun with --resume",
+              file=sys.stderr)
+        print(json.dumps(record))
+    else:
+        summary = runner.finish()
+        keys = ("steps_done", "reward/first10_mean", "reward/last20_mean", "eval/greedy_accuracy", "params_sha256",
+                "wall_s")
+        print(json.dumps({k: summary.get(k) for k in keys}))
     sys.stdout.flush()
     sys.stderr.flush()
     # Outputs are written and closed. A user reward function that hung past its timeout still holds a

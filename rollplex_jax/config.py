@@ -411,6 +411,7 @@ class RunConfig:
     prefix_sharing: bool = True
     overlap: bool = True
     actor_prefix: str = "residuals"
+    resume: bool = False
     progress: bool = True
 
     def __post_init__(self):

@@ -16,11 +16,17 @@ import numpy as np
 class MetricsWriter:
     """Appends one JSON object per step to metrics.jsonl and every scalar to TensorBoard."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, keep_steps: int = 0):
+        """Starts metrics.jsonl afresh, or (a resumed run) keeps its rows of steps <= ``keep_steps``."""
         from tensorboardX import SummaryWriter
 
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
+        kept = [r for r in read_metrics(workdir) if r["step"] <= keep_steps] if keep_steps and \
+            os.path.exists(self.path) else []
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(self.path + ".tmp", self.path)
         self._file = open(self.path, "a")
         self._tb = SummaryWriter(logdir=os.path.join(workdir, "tensorboard"))
 

@@ -11,6 +11,7 @@ Each phase is one call into ``scheduler``; this module only wires them and write
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -82,13 +83,37 @@ class Runner:
                                          publisher=WeightPublisher(self.engine), reward_fn=reward,
                                          decode=self.tokenizer.decode, stop_ids=stop, split=split)
         self.tracer = Tracer()
-        self.writer = outputs.MetricsWriter(self.workdir)
         self.checkpointer = Checkpointer(self.workdir, cfg.checkpoint.keep)
         self.step = 0
         self.history: list[dict] = []
         self.last: scheduler.StepResult | None = None
         self.last_prompts: list[data_lib.Example] = []
+        self._stop_requested = False
         self._t0 = time.perf_counter()
+        latest = self.checkpointer.latest_step()
+        if latest is not None and not cfg.run.resume:
+            self.checkpointer.close()
+            raise ConfigError(f"--workdir={cfg.run.workdir} already has checkpoints (latest: step {latest}); pass "
+                              "--resume to continue that run, or choose another --workdir")
+        if latest is not None:
+            self._restore(latest)
+        elif cfg.run.resume:
+            self.log(f"resume: no checkpoint in {self.checkpointer.directory}; starting from step 0")
+        self.writer = outputs.MetricsWriter(self.workdir, keep_steps=self.step)
+
+    def _restore(self, step: int) -> None:
+        """Continues from checkpoint ``step``: train state, data position; metrics after it are dropped."""
+        like = _state_tree(self.state)
+        tree, meta = self.checkpointer.restore(step, like)
+        self.state = scheduler.TrainState(tree["params"], tree["opt_state"], self.state.ref_params)
+        if params_sha256(self.state.params) != meta["params_sha256"]:
+            raise RuntimeError(f"checkpoint {step} in {self.checkpointer.directory} is corrupt: its params do not "
+                               "hash to the value recorded when it was saved")
+        self.sampler = data_lib.PromptSampler.from_state(meta["sampler"], n_examples=len(self.train_set))
+        self.step = int(meta["step"])
+        self.history = [r for r in outputs.read_metrics(self.workdir) if r["step"] <= self.step] \
+            if os.path.exists(os.path.join(self.workdir, "metrics.jsonl")) else []
+        self.log(f"resume: continuing from the checkpoint of step {self.step} in {self.checkpointer.directory}")
 
     # --- setup helpers -----------------------------------------------------------------------------
     def _load(self, split: str, path: str, n: int, seed: int):
@@ -130,7 +155,7 @@ class Runner:
             from tqdm import tqdm
             bar = tqdm(total=target - self.step, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stderr)
         try:
-            while self.step < target:
+            while self.step < target and not self._stop_requested:
                 metrics = self.train_step()
                 if bar is not None:
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
@@ -144,7 +169,7 @@ class Runner:
         idx = self.sampler.next_indices()
         batch = [self.train_set[i] for i in idx]
         prompts = data_lib.collate(batch, self.tokenizer.pad_id)
-        seed = self.cfg.run.seed * 1_000_003 + self.step
+        seed = self._seed(self.step)
         step_fn = scheduler.rollplex_step if self.cfg.run.schedule == "rollplex" else scheduler.serial_step
         result = step_fn(self.ctx, self.state, prompts, [e.answer for e in batch], seed=seed, step=self.step,
                          tracer=self.tracer)
@@ -162,11 +187,38 @@ class Runner:
         return metrics
 
     def save(self) -> None:
-        """Checkpoints the current step (once: a step already saved is not saved again)."""
+        """Starts an asynchronous checkpoint of the current step (once per step).
+
+        Saved: actor params, optimizer state (step count included), data position, the step; the
+        sampling RNG is derived from (seed, step), so the step restores it. The reference params are
+        the initial ones (random init from the seed, or --model_dir) and are not saved.
+        """
         if self.checkpointer.latest_step() == self.step:
             return
-        meta = {"step": self.step, "sampler": self.sampler.state(), "params_sha256": params_sha256(self.state.params)}
+        meta = {"step": self.step, "sampler": self.sampler.state(), "params_sha256": params_sha256(self.state.params),
+                "rng": {"seed": self.cfg.run.seed, "sampling_seed_of_next_step": self._seed(self.step)},
+                "config": self.cfg.to_dict()}
         self.checkpointer.save(self.step, _state_tree(self.state), meta)
+        if os.environ.get("ROLLPLEX_FAULT_KILL_DURING_SAVE") == str(self.step):  # fault injection for tests
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def request_stop(self) -> None:
+        """Asks the loop to stop after the step in flight (what SIGTERM does in launch.main)."""
+        self._stop_requested = True
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+    def preempt(self) -> dict:
+        """Final checkpoint of the last finished step, waited for; closes everything. Returns a short record."""
+        self.save()
+        self.checkpointer.wait()
+        self.close()
+        return {"preempted": True, "steps_done": self.step, "checkpoint": self.checkpointer.latest_step()}
+
+    def _seed(self, step: int) -> int:
+        return self.cfg.run.seed * 1_000_003 + step
 
     # --- evaluation and summary --------------------------------------------------------------------
     def evaluate(self) -> dict:
