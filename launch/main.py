@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 
 from absl import app, flags, logging
 
@@ -36,18 +37,28 @@ def main(argv):
     # SLURM (and most schedulers) send SIGTERM before killing: finish the step in flight, write a final
     # checkpoint (waiting for any save in progress), exit 0; `--resume` continues from it.
     signal.signal(signal.SIGTERM, lambda signum, frame: runner.request_stop())
-    for _ in runner.run():
-        pass
-    if runner.stop_requested:
-        record = runner.preempt()
-        print(f"SIGTERM: stopped after step {record['steps_done']}, checkpoint saved; rerun with --resume",
-              file=sys.stderr)
-        print(json.dumps(record))
-    else:
-        summary = runner.finish()
-        keys = ("steps_done", "reward/first10_mean", "reward/last20_mean", "eval/greedy_accuracy", "params_sha256",
-                "wall_s")
-        print(json.dumps({k: summary.get(k) for k in keys}))
+    try:
+        for _ in runner.run():
+            pass
+        if runner.stop_requested:
+            record = runner.preempt()
+            print(f"SIGTERM: stopped after step {record['steps_done']}, checkpoint saved; rerun with --resume",
+                  file=sys.stderr)
+            print(json.dumps(record))
+        else:
+            summary = runner.finish()
+            keys = ("steps_done", "reward/first10_mean", "reward/last20_mean", "eval/greedy_accuracy",
+                    "params_sha256", "wall_s")
+            print(json.dumps({k: summary.get(k) for k in keys}))
+    except (Exception, KeyboardInterrupt):
+        # The error may be a reward call that hung past its timeout (--reward_failure=raise): its thread still
+        # runs, and the interpreter would join it at exit for as long as it hangs. Report, close the outputs,
+        # and leave without waiting (as below).
+        traceback.print_exc()
+        runner.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
     # Outputs are written and closed. A user reward function that hung past its timeout still holds a

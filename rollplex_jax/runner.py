@@ -89,6 +89,7 @@ class Runner:
         self.last: scheduler.StepResult | None = None
         self.last_prompts: list[data_lib.Example] = []
         self._stop_requested = False
+        self._warned_reward = False
         self._t0 = time.perf_counter()
         latest = self.checkpointer.latest_step()
         if latest is not None and not cfg.run.resume:
@@ -176,6 +177,11 @@ class Runner:
         self.state, self.last, self.last_prompts = result.state, result, batch
         self.step += 1
         metrics = dict(result.metrics)
+        if metrics.get("reward/failures") and not self._warned_reward:
+            self._warned_reward = True
+            self.log(f"warning: step {self.step}: the reward function failed on {int(metrics['reward/failures'])} "
+                     f"answer(s) (exception or timeout > {self.cfg.rl.reward_timeout_s}s); they got reward 0. "
+                     "Counted per step in reward/failures; --reward_failure=raise stops on the first one.")
         for key in ("skipped_steps/no_signal", "skipped_steps/nonfinite"):
             prev = self.history[-1].get(key + "_total", 0.0) if self.history else 0.0
             metrics[key + "_total"] = prev + metrics.get(key, 0.0)
