@@ -130,33 +130,35 @@ def _decoder(params, cfg: ModelConfig, h, cos, sin, extra_per_layer, self_mask):
     return final_norm(params, h, cfg.text), hidden, kvs
 
 
-def full_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds=None,
-                 return_hidden: bool = False):
-    """Plain causal forward over whole rows. Returns fp32 logits [B, T, V] (and per-layer hidden)."""
+def _rows_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds):
+    """Causal decoder over whole rows (vision tokens scattered in): final-normed h [B, T, D],
+    per-layer outputs and per-layer (k, v), each with a singleton response axis dropped."""
     if vision_embeds is None:
         vision_embeds = encode_vision(params, cfg, inputs)
     h = embed(params, cfg, inputs.input_ids, vision_embeds, inputs.token_types)[:, None]
     cos, sin = rope.mrope_cos_sin(inputs.positions, cfg.text, h.dtype)
     mask = causal_mask(inputs.attention_mask[:, None])
-    h, hidden, _ = _decoder(params, cfg, h, cos[:, None], sin[:, None], lambda i: [], mask)
-    logits = lm_logits(params, h[:, 0], cfg)
-    return (logits, [x[:, 0] for x in hidden]) if return_hidden else logits
+    h, hidden, kvs = _decoder(params, cfg, h, cos[:, None], sin[:, None], lambda i: [], mask)
+    return h[:, 0], [x[:, 0] for x in hidden], [(k[:, 0], v[:, 0]) for k, v in kvs]
+
+
+def full_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds=None,
+                 return_hidden: bool = False):
+    """Plain causal forward over whole rows. Returns fp32 logits [B, T, V] (and per-layer hidden)."""
+    h, hidden, _ = _rows_forward(params, cfg, inputs, vision_embeds)
+    logits = lm_logits(params, h, cfg)
+    return (logits, hidden) if return_hidden else logits
 
 
 def prefix_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds=None):
     """Prompt rows -> (PrefixState, fp32 logits [B, V] at each row's last real token)."""
-    if vision_embeds is None:
-        vision_embeds = encode_vision(params, cfg, inputs)
-    h = embed(params, cfg, inputs.input_ids, vision_embeds, inputs.token_types)[:, None]
-    cos, sin = rope.mrope_cos_sin(inputs.positions, cfg.text, h.dtype)
-    mask = causal_mask(inputs.attention_mask[:, None])
-    h, _, kvs = _decoder(params, cfg, h, cos[:, None], sin[:, None], lambda i: [], mask)
+    h, _, kvs = _rows_forward(params, cfg, inputs, vision_embeds)
     t = inputs.input_ids.shape[1]
     last = t - 1 - jnp.argmax(inputs.attention_mask[:, ::-1], axis=1)
-    last_logits = lm_logits(params, h[jnp.arange(h.shape[0]), 0, last], cfg)
+    last_logits = lm_logits(params, h[jnp.arange(h.shape[0]), last], cfg)
     state = PrefixState(
-        k=jnp.stack([k[:, 0] for k, _ in kvs]),
-        v=jnp.stack([v[:, 0] for _, v in kvs]),
+        k=jnp.stack([k for k, _ in kvs]),
+        v=jnp.stack([v for _, v in kvs]),
         mask=inputs.attention_mask.astype(bool),
         next_position=inputs.next_position,
     )
