@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest tests
 
 # The tiny default end to end on CPU: a random-init tiny Qwen2.5-VL learns a synthetic visual task by
 # GRPO (outputs in runs/demo: metrics.jsonl, run_summary.json, plots/reward.png, tensorboard/, checkpoints/).
