@@ -79,40 +79,41 @@ def response_texts(rollouts: Rollouts, decode, stop_ids) -> list[list[str]]:
     return out
 
 
-def sample(ctx: StepContext, params: dict, prompts: Prompts, *, n: int, seed: int, greedy: bool = False) -> Rollouts:
-    """Rollout under ``params``: publish (bind views), generate, release (so params may be donated)."""
+def sample(ctx: StepContext, params: dict, prompts: Prompts, *, n: int, seed: int, greedy: bool = False,
+           tracer: Tracer | None = None, step: int = 0, during_decode=None) -> Rollouts:
+    """Rollout under ``params``: publish (bind views), generate, release (so params may be donated).
+
+    ``during_decode()`` is called after binding and before decoding: the Rollplex schedule dispatches
+    its prefix programs there so that XLA computes them while torch decodes.
+    """
     r = ctx.cfg.rollout
     sp = SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
                         max_new_tokens=r.max_new_tokens, stop_token_ids=ctx.stop_ids, seed=seed)
-    ctx.publisher.publish(params, version=seed)
+    tracer = tracer or Tracer()
+    with tracer.span("host", "bind", step):
+        ctx.publisher.publish(params, version=step)
     try:
-        return ctx.engine.generate(prompts, n, sp)
+        if during_decode is not None:
+            during_decode()
+        with tracer.span("torch decode", "rollout", step):
+            return ctx.engine.generate(prompts, n, sp)
     finally:
-        ctx.publisher.release()
+        with tracer.span("host", "release", step):
+            ctx.publisher.release()
 
 
 def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], seed: int,
                          tracer: Tracer, step: int, during_decode=None):
-    """Rollout (with ``during_decode()`` dispatched after binding, before decoding) and rewards."""
+    """G answers per prompt under theta_k (see ``sample``), then their rewards."""
     g = ctx.cfg.rollout.group_size
-    r = ctx.cfg.rollout
-    sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                        stop_token_ids=ctx.stop_ids, seed=seed)
-    with tracer.span("host", "bind", step):
-        ctx.publisher.publish(state.params, version=step)
-    try:
-        dispatched = during_decode() if during_decode is not None else None
-        with tracer.span("torch decode", "rollout", step):
-            rollouts = ctx.engine.generate(prompts, g, sp)
-    finally:
-        with tracer.span("host", "release", step):
-            ctx.publisher.release()
+    rollouts = sample(ctx, state.params, prompts, n=g, seed=seed, tracer=tracer, step=step,
+                      during_decode=during_decode)
     b = rollouts.response_ids.shape[0]
     with tracer.span("rewards", "reward", step):
         texts = response_texts(rollouts, ctx.decode, ctx.stop_ids)
         flat, failures = ctx.reward_fn([t for row in texts for t in row], [a for a in answers for _ in range(g)])
         rewards = np.asarray(flat, np.float32).reshape(b, g)
-    return rollouts, texts, rewards, failures, dispatched
+    return rollouts, texts, rewards, failures
 
 
 class _SerialOps:
@@ -249,7 +250,7 @@ def serial_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers: 
     """One synchronous on-policy step, the classic way (the baseline and the equivalence oracle)."""
     tracer = tracer or Tracer()
     t0 = time.perf_counter()
-    rollouts, texts, rewards, failures, _ = _rollout_and_rewards(ctx, state, prompts, answers, seed, tracer, step)
+    rollouts, texts, rewards, failures = _rollout_and_rewards(ctx, state, prompts, answers, seed, tracer, step)
     ops = _SerialOps(ctx, state, prompts, rollouts, tracer, step)
     return _learn(ctx, state, ops, rollouts, texts, rewards, failures, tracer, step, t0)
 
@@ -262,7 +263,7 @@ def rollplex_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers
     t0 = time.perf_counter()
     ops = _RollplexOps(ctx, state, prompts, tracer, step, version=step)
     overlap = ctx.cfg.run.overlap
-    rollouts, texts, rewards, failures, _ = _rollout_and_rewards(
+    rollouts, texts, rewards, failures = _rollout_and_rewards(
         ctx, state, prompts, answers, seed, tracer, step, during_decode=ops.dispatch if overlap else None)
     if not overlap:
         ops.dispatch()
