@@ -163,7 +163,8 @@ def _usage_error(e: ConfigError, f: flags.FlagValues) -> app.UsageError:
 
 
 _SECTIONS = {"data": C.DataConfig, "rollout": C.RolloutConfig, "rl": C.RlConfig, "optim": C.OptimConfig,
-             "checkpoint": C.CheckpointConfig, "run": C.RunConfig}
+             "checkpoint": C.CheckpointConfig, "memory": C.MemoryConfig, "mesh": C.MeshConfig,
+             "run": C.RunConfig}
 # Flags whose name is not the field's (kept short, or the names scripts rely on: ARCHITECTURE.md).
 _RENAMES = {("checkpoint", "every"): "checkpoint_every", ("checkpoint", "keep"): "checkpoint_keep"}
 _CHOICES = {
@@ -171,7 +172,7 @@ _CHOICES = {
     ("rl", "advantage"): C.ADVANTAGES,
     ("rl", "loss_agg"): C.LOSS_AGGS, ("rl", "kl_mode"): C.KL_MODES, ("rl", "kl_estimator"): C.KL_ESTIMATORS,
     ("rl", "reward_failure"): C.REWARD_FAILURES, ("optim", "lr_schedule"): C.LR_SCHEDULES,
-    ("data", "synthetic_task"): C.SYNTHETIC_TASKS,
+    ("data", "synthetic_task"): C.SYNTHETIC_TASKS, ("memory", "optimizer_policy"): C.OPTIMIZER_POLICIES,
 }
 _HELP = {
     "dataset": "Training prompts: a JSONL file of {\"images\": [paths relative to the file], \"prompt\", \"answer\"}. "
@@ -228,6 +229,17 @@ _HELP = {
     "resume": "Continue the run in --workdir from its latest complete checkpoint (same per-step metrics and final "
               "params as an uninterrupted run). Without it, a --workdir that has checkpoints is refused.",
     "progress": "Show a progress bar.",
+    "hbm_budget": "Accelerator memory per device the run must stay under, with a unit (e.g. 80GiB, 512MiB; '' = "
+                  "none). The runtime offloads the optimizer state if that is what it takes, or refuses to start "
+                  "naming the smallest budget that fits (see launch.plan).",
+    "optimizer_policy": "Optimizer state (fp32 master weights + Adam moments): resident on the device, offload "
+                        "(host memory between updates, streamed back in --optimizer_chunks chunks), or auto "
+                        "(offload only if --hbm_budget needs it).",
+    "optimizer_chunks": "Chunks of the streaming optimizer step when the optimizer state is offloaded.",
+    "measure_memory": "Measure live device bytes per phase and buffer class (metrics memory/*, plots/memory.png).",
+    "train_fsdp": "Training mesh: FSDP degree (actor and reference).",
+    "train_tp": "Training mesh: tensor-parallel degree (actor and reference).",
+    "rollout_tp": "Rollout engine tensor-parallel degree.",
 }
 
 

@@ -387,6 +387,68 @@ class OptimConfig:
         _require(self.grad_clip > 0, "optim.grad_clip", self.grad_clip, "must be > 0")
 
 
+OPTIMIZER_POLICIES = ("auto", "resident", "offload")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '512 MiB', '1.5e9', '2GB' -> bytes ('' -> 0). Raises ValueError naming the unit choices."""
+    t = text.strip().lower().replace(" ", "")
+    if not t:
+        return 0
+    i = len(t)
+    while i and t[i - 1].isalpha():
+        i -= 1
+    num, unit = t[:i], t[i:]
+    if unit not in _UNITS:
+        raise ValueError(f"unknown unit {unit!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)")
+    return int(float(num) * _UNITS[unit])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    """Where each buffer class lives between its producer and last consumer (rollplex_jax/memory.py)."""
+
+    hbm_budget: str = ""
+    optimizer_policy: str = "auto"
+    optimizer_chunks: int = 4
+    measure_memory: bool = True
+
+    def __post_init__(self):
+        try:
+            n = parse_bytes(self.hbm_budget)
+        except ValueError as e:
+            raise ConfigError(f"memory.hbm_budget={self.hbm_budget!r} is invalid: {e}") from None
+        _require(n >= 0, "memory.hbm_budget", self.hbm_budget, "must be >= 0 bytes ('' = no budget)")
+        _choice("memory", "optimizer_policy", self.optimizer_policy, OPTIMIZER_POLICIES)
+        _require(self.optimizer_chunks >= 1, "memory.optimizer_chunks", self.optimizer_chunks, "must be >= 1")
+
+    @property
+    def budget_bytes(self) -> int:
+        """The per-device budget in bytes (0 = none)."""
+        return parse_bytes(self.hbm_budget)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device meshes per role. Training: fsdp x tp (the reference uses the training mesh); rollout: its
+    own TP degree. The planner (launch.plan) uses every shape; runs are single-device until sharded
+    programs land (issue 7), and refuse other shapes with a clear error."""
+
+    train_fsdp: int = 1
+    train_tp: int = 1
+    rollout_tp: int = 1
+
+    def __post_init__(self):
+        for name in ("train_fsdp", "train_tp", "rollout_tp"):
+            _require(getattr(self, name) >= 1, f"mesh.{name}", getattr(self, name), "must be >= 1")
+
+    @property
+    def train_devices(self) -> int:
+        return self.train_fsdp * self.train_tp
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """orbax checkpoints under <workdir>/checkpoints every ``every`` steps (0 = only at the end)."""
@@ -431,6 +493,8 @@ class Config:
     rl: RlConfig = dataclasses.field(default_factory=RlConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def __post_init__(self):
