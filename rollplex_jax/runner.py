@@ -10,6 +10,8 @@ Each phase is one call into ``scheduler``; this module only wires them and write
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import sys
@@ -21,12 +23,13 @@ import numpy as np
 
 from rollout_torch.engine import Rollouts
 from rollout_torch.hf_engine import HFEngine
-from rollplex_jax import outputs, scheduler
+from rollplex_jax import outputs, planner, scheduler
 from rollplex_jax.checkpoint import Checkpointer
 from rollplex_jax.config import Config, ConfigError
 from rollplex_jax.data import dataset as data_lib
 from rollplex_jax.data import synthetic
 from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
+from rollplex_jax.memory import MemoryMeter, plot_memory
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
 from rollplex_jax.models.qwen2_5_vl.params import init_params, params_sha256
 from rollplex_jax.programs.actor import make_programs
@@ -69,9 +72,15 @@ class Runner:
         else:
             params = init_params(cfg.model, jax.random.key(cfg.run.seed))
         ref = {k: jnp.array(v, copy=True) for k, v in params.items()}  # own buffers: never donated
-        self.programs = make_programs(cfg.model, cfg.rl, cfg.optim, cfg.run.steps)
-        self.state = scheduler.TrainState(params, self.programs.tx.init(params), ref)
+        _check_mesh(cfg)
+        self.lengths = _data_lengths(cfg, self.train_set)
+        self.optimizer_policy = _optimizer_policy(cfg, self.lengths, self.log)
+        offload = self.optimizer_policy == "offload"
+        self.programs = make_programs(cfg.model, cfg.rl, cfg.optim, cfg.run.steps, offload_optimizer=offload,
+                                      optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1)
+        self.state = scheduler.TrainState(params, self.programs.optimizer.init(params), ref)
         self.engine = self._engine()
+        self.meter = MemoryMeter(cfg.memory.measure_memory, engine_bytes=self._engine_own_bytes)
         reward = RewardRunner(resolve_reward_fn(cfg.rl.reward), timeout_s=cfg.rl.reward_timeout_s,
                               max_workers=cfg.rl.reward_workers, on_failure=cfg.rl.reward_failure)
         self.reward = reward
@@ -79,9 +88,11 @@ class Runner:
         split = None
         if cfg.run.schedule == "rollplex":
             split = make_split_programs(cfg.model, cfg.rl, residuals=cfg.run.actor_prefix == "residuals")
+        if cfg.memory.measure_memory:
+            self.programs, split = _tracked(self.meter, self.programs, split)
         self.ctx = scheduler.StepContext(cfg=cfg, programs=self.programs, engine=self.engine,
                                          publisher=WeightPublisher(self.engine), reward_fn=reward,
-                                         decode=self.tokenizer.decode, stop_ids=stop, split=split)
+                                         decode=self.tokenizer.decode, stop_ids=stop, split=split, meter=self.meter)
         self.tracer = Tracer()
         self.checkpointer = Checkpointer(self.workdir, cfg.checkpoint.keep)
         self.step = 0
@@ -106,7 +117,8 @@ class Runner:
         """Continues from checkpoint ``step``: train state, data position; metrics after it are dropped."""
         like = _state_tree(self.state)
         tree, meta = self.checkpointer.restore(step, like)
-        self.state = scheduler.TrainState(tree["params"], tree["opt_state"], self.state.ref_params)
+        self.state = scheduler.TrainState(tree["params"], self.programs.optimizer.place(tree["opt_state"]),
+                                          self.state.ref_params)
         if params_sha256(self.state.params) != meta["params_sha256"]:
             raise RuntimeError(f"checkpoint {step} in {self.checkpointer.directory} is corrupt: its params do not "
                                "hash to the value recorded when it was saved")
@@ -128,6 +140,13 @@ class Runner:
                                                  min_pixels=d.min_pixels, max_pixels=d.max_pixels,
                                                  max_prompt_len=d.max_prompt_len, log=self.log)
         return examples, report
+
+    def _engine_own_bytes(self) -> int:
+        """Bytes of weight tensors the engine owns (rebuilt, not views of the actor's buffers)."""
+        try:
+            return int(self.engine.sharing_report().extra_bytes)
+        except RuntimeError:  # not bound yet
+            return 0
 
     def _engine(self):
         if self.cfg.rollout.torch_threads:
@@ -185,6 +204,7 @@ class Runner:
         for key in ("skipped_steps/no_signal", "skipped_steps/nonfinite"):
             prev = self.history[-1].get(key + "_total", 0.0) if self.history else 0.0
             metrics[key + "_total"] = prev + metrics.get(key, 0.0)
+        metrics.update(self.meter.step_metrics())
         self.writer.write(self.step, metrics)
         self.history.append({"step": self.step, **metrics})
         every = self.cfg.checkpoint.every
@@ -261,15 +281,31 @@ class Runner:
             **ev,
             "params_sha256": params_sha256(self.state.params),
             "weight_sharing": self.engine.sharing_report().to_dict(),
+            "memory": self.memory_report(),
             "data": {"train": self.train_report.to_dict()},
             "wall_s": time.perf_counter() - self._t0,
         }
         outputs.write_summary(self.workdir, summary)
         if self.history:
             outputs.plot_reward(self.history, os.path.join(self.workdir, "plots", "reward.png"))
+            if any(k.startswith("memory/") for k in self.history[-1]):
+                plot_memory(self.history[-1], os.path.join(self.workdir, "plots", "memory.png"),
+                            title=f"{self.cfg.run.schedule}: live device memory per phase (step {self.step})")
         self.write_timeline()
         self.close()
         return summary
+
+    def memory_report(self) -> dict:
+        """Measured peak per phase (max over the steps run), and for the rollplex schedule the planner's
+        prediction for this run next to it (``planned_over_measured``)."""
+        peaks = {k: max(h.get(k, 0.0) for h in self.history) for h in self.history[-1:] for k in h
+                 if k.startswith("memory/") and k.endswith("_peak_bytes")} if self.history else {}
+        out = {"optimizer_policy": self.optimizer_policy, "hbm_budget_bytes": self.cfg.memory.budget_bytes,
+               "measured_peak_bytes": {k.split("/")[1][:-len("_peak_bytes")]: int(v) for k, v in peaks.items()}}
+        if peaks and self.cfg.run.schedule == "rollplex":
+            out["planned_vs_measured"] = planned_vs_measured(_plan(self.cfg, self.lengths, self.optimizer_policy),
+                                                             peaks)
+        return out
 
     def close(self) -> None:
         """Releases files and threads without evaluating (``finish`` calls it)."""
@@ -289,6 +325,222 @@ class Runner:
     @property
     def last_rollouts(self) -> Rollouts | None:
         return None if self.last is None else self.last.rollouts
+
+    # --- the Python API for notebooks and scripts (no global state: absl's flags.FLAGS is not touched) ------
+    @classmethod
+    def from_flagfile(cls, path: str | os.PathLike, *, log=None, **overrides) -> Runner:
+        """A runner configured as ``python -m launch.main --flagfile=PATH --name=value ...`` would be.
+
+            runner = Runner.from_flagfile("configs/tiny_cpu.flags", steps=5, workdir="runs/nb", progress=False)
+
+        Args:
+          path: an absl flagfile; a relative path is looked up in the current directory, then the repo root.
+          log: receives the runner's log lines (default: stderr).
+          **overrides: flag name -> value, applied after the flagfile (``True``/``False`` for booleans).
+
+        Raises:
+          ConfigError: the flagfile is missing, a flag is unknown, or a value is invalid (names the flag).
+        """
+        runner = cls(config_from_flagfile(path, **overrides), log=log)
+        runner._flag_source = (os.fspath(path), dict(overrides))
+        return runner
+
+    def fork(self, workdir: str | os.PathLike, *, log=None, **overrides) -> Runner:
+        """A new runner in ``workdir`` that continues from this one's current step with some flags changed.
+
+            rollplex = serial.fork("runs/nb_rollplex", schedule="rollplex")   # same params, optimizer, data position
+
+        Saves a checkpoint of the current step (waited for) and copies it, with metrics.jsonl up to it, into
+        ``workdir`` (which must not have checkpoints yet); the new runner resumes from it. For runners made by
+        ``from_flagfile``: the new one is ``from_flagfile(same flagfile, same overrides + these, resume=True)``.
+        """
+        import shutil
+
+        source = getattr(self, "_flag_source", None)
+        if source is None:
+            raise ValueError("fork() needs a runner made by Runner.from_flagfile")
+        workdir = os.path.abspath(os.fspath(workdir))
+        if workdir == self.workdir:
+            raise ValueError(f"fork() needs another workdir than this runner's ({workdir})")
+        self.save()
+        self.checkpointer.wait()
+        step = self.checkpointer.latest_step()
+        dst = os.path.join(workdir, "checkpoints")
+        if os.path.isdir(dst) and os.listdir(dst):
+            raise ConfigError(f"fork(): {dst} already has checkpoints; choose another workdir")
+        os.makedirs(dst, exist_ok=True)
+        shutil.copytree(os.path.join(self.checkpointer.directory, str(step)), os.path.join(dst, str(step)))
+        rows = [r for r in self.history if r["step"] <= step]
+        with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps({k: outputs._jsonable(v) for k, v in r.items()}) + "\n" for r in rows)
+        path, base = source
+        return Runner.from_flagfile(path, log=log or self.log, **{**base, **overrides, "workdir": workdir,
+                                                                   "resume": True})
+
+    def samples(self, k: int | None = None, *, load_images: bool = False) -> list[dict]:
+        """The last step's rollouts, one dict per prompt (the first ``k`` prompts; all when None).
+
+        Keys: ``step`` (1-based, as in metrics.jsonl), ``prompt`` (the user text), ``images`` (absolute
+        paths), ``answer`` (the reference answer), ``responses`` (the G decoded answers, stop token
+        removed), ``rewards`` (G floats), ``reward_mean``; with ``load_images=True`` also ``pil`` (the
+        images as RGB ``PIL.Image``). Empty before the first step of this process (also after a resume).
+        """
+        if self.last is None:
+            return []
+        from rollplex_jax.data.image_processing import load_image
+
+        rewards = np.asarray(self.last.rewards, np.float64)
+        out = []
+        for i, ex in enumerate(self.last_prompts[:k] if k is not None else self.last_prompts):
+            row = {"step": self.step, "prompt": ex.prompt, "images": list(ex.images), "answer": ex.answer,
+                   "responses": list(self.last.texts[i]), "rewards": [float(r) for r in rewards[i]],
+                   "reward_mean": float(rewards[i].mean())}
+            if load_images:
+                row["pil"] = [load_image(p) for p in ex.images]
+            out.append(row)
+        return out
+
+    def metrics_frame(self) -> dict[str, np.ndarray]:
+        """The metrics of every step so far as columns: ``{"step": int array, key: float array, ...}``.
+
+        A step without a key has NaN there; non-numeric values are NaN. ``pandas.DataFrame(runner.metrics_frame())``
+        turns it into a data frame where pandas is installed. ``runner.history`` has the same rows as dicts.
+        """
+        return outputs.metrics_columns(self.history)
+
+    def timeline(self, last_steps: int | None = None) -> list:
+        """The phase spans (``trace.Span``: lane, name, step, start, end in s) of this process's steps.
+
+        ``last_steps``: only the spans of the last N steps that have spans. Draw them with
+        ``trace.plot_timeline`` / ``trace.plot_timelines_side_by_side``; ``<workdir>/trace.json`` has all.
+        """
+        spans = self.tracer.spans
+        if last_steps is not None:
+            keep = set(sorted({s.step for s in spans})[-last_steps:]) if last_steps > 0 else set()
+            spans = [s for s in spans if s.step in keep]
+        return spans
+
+
+def config_from_flagfile(path: str | os.PathLike, **overrides) -> Config:
+    """The ``Config`` of ``--flagfile=PATH`` plus ``--name=value`` overrides, parsed on a fresh FlagValues.
+
+    Booleans become ``--name`` / ``--noname``; a relative ``path`` is looked up in the current directory,
+    then the repo root (as ``launch.flags.resolve_path``). Raises ``ConfigError`` naming the bad flag.
+    """
+    from absl import app, flags
+
+    from launch import flags as launch_flags
+
+    resolved = launch_flags.resolve_path(os.fspath(path))
+    if resolved is None:
+        where = list(dict.fromkeys([os.getcwd(), str(launch_flags.REPO_ROOT)]))
+        raise ConfigError(f"flagfile {os.fspath(path)!r} not found (looked under {', '.join(where)})")
+    argv = ["rollplex", f"--flagfile={resolved}"]
+    for name, value in overrides.items():
+        if isinstance(value, bool):
+            argv.append(f"--{name}" if value else f"--no{name}")
+        else:
+            value = "" if value is None else os.fspath(value) if isinstance(value, os.PathLike) else value
+            argv.append(f"--{name}={value}")
+    fv = flags.FlagValues()
+    launch_flags.define_flags(fv)
+    unknown = [n for n in overrides if n not in fv]
+    if unknown:
+        raise ConfigError(f"unknown flag(s) {', '.join(unknown)}; see python -m launch.main --helpfull")
+    try:
+        fv(argv)
+        return launch_flags.config_from_flags(fv)
+    except (flags.Error, app.UsageError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_mesh(cfg: Config) -> None:
+    m = cfg.mesh
+    if m.train_devices != 1 or m.rollout_tp != 1:
+        raise ConfigError(f"--train_fsdp={m.train_fsdp} --train_tp={m.train_tp} --rollout_tp={m.rollout_tp}: sharded "
+                          "training and rollout are not built yet (runs are single-device); `python -m launch.plan` "
+                          "plans such a run's memory. Use 1 for all three to train.")
+
+
+def _data_lengths(cfg: Config, examples) -> planner.Lengths:
+    """The planner's lengths for this run: the dataset's longest prompt and most vision tokens, the
+    longest answer the rollout may sample."""
+    unit = cfg.model.vision.spatial_merge_size ** 2
+    prompt = max(len(e.prompt_ids) for e in examples)
+    vision = max(int(np.prod(e.image_grid_thw, axis=-1).sum()) // unit if len(e.image_grid_thw) else 0
+                 for e in examples)
+    return planner.Lengths(prompt, vision, cfg.rollout.max_new_tokens,
+                           source=f"the training set's longest prompt ({prompt} tokens, {vision} vision tokens) "
+                                  f"and --max_new_tokens ({cfg.rollout.max_new_tokens})")
+
+
+def _optimizer_policy(cfg: Config, lengths: planner.Lengths, log) -> str:
+    """resident or offload: as configured, or the one the planner says fits --hbm_budget (today's programs,
+    one device); refuses to start, naming the smallest budget that fits, when none does."""
+    mem = cfg.memory
+    if not mem.budget_bytes:
+        return "resident" if mem.optimizer_policy == "auto" else mem.optimizer_policy
+    if cfg.run.schedule != "rollplex":
+        raise ConfigError(f"--hbm_budget={mem.hbm_budget} plans the rollplex schedule's memory; use "
+                          "--schedule=rollplex, or drop --hbm_budget")
+    try:
+        if mem.optimizer_policy == "auto":
+            policy = planner.choose_optimizer_policy(cfg, lengths, 1, mem.budget_bytes,
+                                                     programs=planner.CURRENT_PROGRAMS)
+        else:
+            policy = mem.optimizer_policy
+            need = _plan(cfg, lengths, policy).peak_bytes("rollplex")
+            if need > mem.budget_bytes:
+                planner.choose_optimizer_policy(cfg, lengths, 1, mem.budget_bytes, programs=planner.CURRENT_PROGRAMS)
+                raise ConfigError(f"--hbm_budget={mem.hbm_budget} is too small with --optimizer_policy={policy} "
+                                  f"(planned peak {planner.human_bytes(need, round_up=True)}); use "
+                                  "--optimizer_policy=auto to let the run offload")
+    except planner.BudgetError as e:
+        raise ConfigError(f"--hbm_budget={mem.hbm_budget}: {e}") from None
+    need = _plan(cfg, lengths, policy).peak_bytes("rollplex")
+    log(f"memory: --hbm_budget={mem.hbm_budget}: optimizer state {policy} (planned peak {planner.human_bytes(need)})")
+    return policy
+
+
+def _plan(cfg: Config, lengths: planner.Lengths, policy: str) -> planner.Plan:
+    """The planner's figures for this run: today's programs on one device."""
+    return planner.plan(cfg, lengths, 1, programs=planner.CURRENT_PROGRAMS, optimizer_policy=policy)
+
+
+def planned_vs_measured(plan: planner.Plan, measured: dict) -> dict:
+    """Per phase: the planned peak of what JAX can see (the torch engine's KV cache and working set
+    excluded: measured on GPU by the backend's stats, not on CPU), the measured peak, and their ratio."""
+    layout = plan.layouts["rollplex"]
+    out = {}
+    for phase, classes in layout.items():
+        key = f"memory/{phase}_peak_bytes"
+        if key not in measured:
+            continue
+        torch_side = classes.get("rollout_kv", 0) + (plan.details["engine_activation_bytes"] if phase == "rollout"
+                                                      else 0)
+        planned = sum(classes.values()) - torch_side
+        out[phase] = {"planned_bytes": int(planned), "measured_bytes": int(measured[key]),
+                      "planned_over_measured": round(planned / max(measured[key], 1.0), 4),
+                      "planned_torch_bytes": int(torch_side)}
+    return out
+
+
+def _tracked(meter: MemoryMeter, programs, split):
+    """The programs wrapped so that each call's XLA temp bytes count in its phase's activations."""
+    t = meter.track
+    programs = dataclasses.replace(programs, ref_logprobs=t(programs.ref_logprobs, "score", "ref_logprobs"),
+                                   old_logprobs=t(programs.old_logprobs, "train", "old_logprobs"),
+                                   grad=t(programs.grad, "train", "grad"))
+    opt = programs.optimizer
+    opt.track(meter)
+    if split is not None:
+        split = dataclasses.replace(split, vision=t(split.vision, "rollout", "vision"),
+                                    actor_prefix=t(split.actor_prefix, "rollout", "actor_prefix"),
+                                    ref_prefix=t(split.ref_prefix, "rollout", "ref_prefix"),
+                                    suffix_logp=t(split.suffix_logp, "score", "suffix_logp"),
+                                    grads_residuals=t(split.grads_residuals, "train", "grads_residuals"),
+                                    grads_recompute=t(split.grads_recompute, "train", "grads_recompute"))
+    return programs, split
 
 
 def _state_tree(state: scheduler.TrainState) -> dict:

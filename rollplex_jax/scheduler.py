@@ -13,6 +13,7 @@ otherwise AdamW drifts on noise), and so does a non-finite gradient norm.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,25 @@ class StepContext:
     decode: Callable[[list[int]], str]
     stop_ids: tuple[int, ...]
     split: Any = None  # programs.split.SplitPrograms, for --schedule=rollplex
+    meter: Any = None  # memory.MemoryMeter: live device bytes per phase and buffer class
+
+
+def _mark_chunk(ctx: StepContext, params, opt_state, ref_params, grads, held: dict, live: dict) -> None:
+    """What is live while the optimizer updates one chunk (``live``: that chunk's new params/state/master;
+    ``held``: what the step's ops still hold, by class)."""
+    ctx.meter.mark("update", compute_weights=(params, live["params"]), ref_weights=ref_params,
+                   gradients=(grads, live["clipped"]), optimizer_state=(opt_state.chunks, live["state"]),
+                   master_weights=(opt_state.master, live["master"]), **held)
+
+
+def _mark(ctx: StepContext, phase: str, params, opt_state, ref_params, ops=None, grads=None, **extra) -> None:
+    """Records what is live at the end of ``phase``, by buffer class (memory_classes.py)."""
+    if ctx.meter is None:
+        return
+    opt = {"optimizer_state": opt_state.chunks, "master_weights": opt_state.master} \
+        if hasattr(opt_state, "chunks") else {"optimizer_state": opt_state}
+    ctx.meter.mark(phase, compute_weights=params, ref_weights=ref_params, **opt, gradients=grads,
+                   **(ops.live() if ops is not None else {}), **extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +146,15 @@ class _SerialOps:
         self.mbs = [mb for rows in mini_batch_rows(b * g, cfg.rl.mini_batches)
                     for mb in micro_batches(cfg.model, prompts, rollouts, cfg.rl.micro_batch, rows)]
         self.ref_params = state.ref_params
+
+    def live(self) -> dict:
+        return {"other": [(mb.inputs, mb.response_ids, mb.response_mask) for mb in self.mbs]}
+
+    def after_ref(self) -> None:
+        pass
+
+    def after_grads(self) -> None:
+        pass
 
     def ref_logp(self):
         with self.tracer.span("JAX suffix", "reference", self.step):
@@ -240,6 +269,22 @@ class _RollplexOps:
             g, m = self.sp.grads_recompute(params, self.inputs, self.emb, self.resp, *args)
         return g, [m]
 
+    def live(self) -> dict:
+        """The boundary state and residuals still held, by buffer class."""
+        kv = [(b.k, b.v, b.last) for b in (self.actor, self.ref) if b is not None]
+        res = self.actor.vjp if self.actor is not None else None
+        return {"boundary_kv": kv or None, "prefix_residuals": res,
+                "other": (self.inputs, self.emb, getattr(self, "resp", None), getattr(self, "rmask", None))}
+
+    def after_ref(self) -> None:
+        """The reference boundary's last consumer (the reference suffix) is done: free it."""
+        self.ref = None
+
+    def after_grads(self) -> None:
+        """The actor boundary's last consumer (the first mini-batch's gradient) is done: free it and the
+        residuals; later mini-batches recompute the prefix under their own params."""
+        self.actor = None
+
     def drop(self):
         """Ends the life of the boundary state and residuals (their buffers are freed)."""
         self.actor = self.ref = None
@@ -251,6 +296,7 @@ def serial_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers: 
     tracer = tracer or Tracer()
     t0 = time.perf_counter()
     rollouts, texts, rewards, failures = _rollout_and_rewards(ctx, state, prompts, answers, seed, tracer, step)
+    _mark(ctx, "rollout", state.params, state.opt_state, state.ref_params)
     ops = _SerialOps(ctx, state, prompts, rollouts, tracer, step)
     return _learn(ctx, state, ops, rollouts, texts, rewards, failures, tracer, step, t0)
 
@@ -268,6 +314,7 @@ def rollplex_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers
     if not overlap:
         ops.dispatch()
     ops.wait_prefix()
+    _mark(ctx, "rollout", state.params, state.opt_state, state.ref_params, ops)
     ops.set_rollouts(rollouts)
     result = _learn(ctx, state, ops, rollouts, texts, rewards, failures, tracer, step, t0)
     ops.drop()
@@ -280,6 +327,8 @@ def _learn(ctx: StepContext, state: TrainState, ops, rollouts: Rollouts, texts, 
     cfg = ctx.cfg
     b, g, tr = rollouts.response_ids.shape
     ref_logp = ops.ref_logp() if cfg.rl.kl_mode != "off" else None
+    _mark(ctx, "score", state.params, state.opt_state, state.ref_params, ops)
+    ops.after_ref()
     scores = jnp.asarray(rewards)
     mask = jnp.asarray(rollouts.mask.reshape(b * g, tr))
     if cfg.rl.kl_mode == "reward":
@@ -336,11 +385,17 @@ def _train(ctx: StepContext, state: TrainState, ops, adv, mask, ref_logp, tracer
         with tracer.span("JAX suffix", "actor", step):
             grads, parts = ops.grads(params, rows, weights, adv, old_logp, ref_logp, version)
             jax.block_until_ready(grads)
+        _mark(ctx, "train", params, opt_state, state.ref_params, ops, grads)
+        ops.after_grads()
         for m in parts:
             _combine(sums, {k: float(v) for k, v in m.items()}, n_mini)
+        if ctx.meter is not None:  # the optimizer reports each chunk while it is on the device
+            prog.optimizer.on_chunk = functools.partial(_mark_chunk, ctx, params, opt_state, state.ref_params, grads,
+                                                        ops.live())
         with tracer.span("update", "update", step):
             params, opt_state, um = prog.update(params, opt_state, grads)
             ok = bool(um["update_ok"])
+        prog.optimizer.on_chunk = None
         version += 1
         skipped += not ok
         sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(um["grad_norm"]) / n_mini

@@ -8,7 +8,7 @@ Programs (built once per run by ``make_programs``) and what they donate:
 | ``old_logprobs``   | nothing              | actor under theta_k, only with several mini-batches |
 | ``grad``           | nothing              | one micro-batch: loss, gradients, metric sums       |
 | ``accumulate``     | the running sum      | gradient accumulation over micro-batches            |
-| ``update``         | params, opt state    | optax step; skipped (params unchanged) if non-finite|
+| ``update``         | params, opt state    | chunked AdamW (programs/optimizer.py); params unchanged if non-finite |
 
 Token weights are computed on the whole mini-batch and sliced per micro-batch, so the sum of
 micro-batch losses/gradients equals the mini-batch loss/gradient exactly.
@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from rollplex_jax.config import ModelConfig, OptimConfig, RlConfig
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, full_forward
+from rollplex_jax.programs.optimizer import ChunkedOptimizer
 from rollplex_jax.rl import losses
 
 
@@ -74,61 +74,25 @@ def _loss(cfg: ModelConfig, rl: RlConfig, params, inputs, prompt_len, response_i
     return objective(rl, logp, logits, weights, advantages, old_logp, ref_logp)
 
 
-FROZEN_VISION = ("visual.",)
-
-
-def frozen_prefixes(optim: OptimConfig) -> tuple[str, ...]:
-    return FROZEN_VISION if optim.freeze_vision else ()
-
-
-def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; cosine (to final_lr_frac over decay_steps, default the run's
-    steps) or constant lr, optional linear warm-up."""
-    steps = max(optim.decay_steps or total_steps, 1)
-    if optim.lr_schedule == "cosine":
-        decay = optax.cosine_decay_schedule(optim.lr, max(steps - optim.warmup_steps, 1), alpha=optim.final_lr_frac)
-    else:
-        decay = optax.constant_schedule(optim.lr)
-    lr = optax.join_schedules([optax.linear_schedule(0.0, optim.lr, optim.warmup_steps), decay],
-                              [optim.warmup_steps]) if optim.warmup_steps else decay
-    adamw = optax.adamw(lr, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay)
-    if optim.freeze_vision:  # frozen params take no update at all (weight decay included)
-        adamw = optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()},
-                                      lambda p: {k: "frozen" if k.startswith(FROZEN_VISION) else "train" for k in p})
-    return optax.chain(optax.clip_by_global_norm(optim.grad_clip), adamw)
-
-
-def _update(tx, frozen: tuple[str, ...], params, opt_state, grads):
-    """One optax step; if the gradient norm is not finite, params and state are returned unchanged.
-
-    Parameters whose name starts with one of ``frozen`` get a zero gradient (so they take no
-    part in clipping and, with no weight decay on a zero update, never move).
-    """
-    grads = {k: jnp.zeros_like(g) if k.startswith(frozen) else g for k, g in grads.items()} if frozen else grads
-    gnorm = optax.global_norm(grads)
-    ok = jnp.isfinite(gnorm)
-    updates, new_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
-    return keep(new_params, params), keep(new_state, opt_state), {"grad_norm": gnorm, "update_ok": ok}
-
-
 @dataclasses.dataclass(frozen=True)
 class Programs:
     ref_logprobs: Callable
     old_logprobs: Callable
     grad: Callable
     accumulate: Callable
-    update: Callable
-    tx: optax.GradientTransformation
+    optimizer: ChunkedOptimizer
+
+    def update(self, params, opt_state, grads):
+        """The optimizer step (programs/optimizer.py); donates params and optimizer state."""
+        return self.optimizer.update(params, opt_state, grads)
 
 
-def make_programs(cfg: ModelConfig, rl: RlConfig, optim: OptimConfig, total_steps: int) -> Programs:
+def make_programs(cfg: ModelConfig, rl: RlConfig, optim: OptimConfig, total_steps: int, *, optimizer_chunks: int = 1,
+                  offload_optimizer: bool = False) -> Programs:
     """Builds (jits) every program of the serial schedule once."""
-    tx = make_optimizer(optim, total_steps)
     logprobs = jax.jit(functools.partial(_logprobs, cfg))
     grad = jax.jit(jax.value_and_grad(functools.partial(_loss, cfg, rl), has_aux=True))
     accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=0)
-    update = jax.jit(functools.partial(_update, tx, frozen_prefixes(optim)), donate_argnums=(0, 1))
+    optimizer = ChunkedOptimizer(optim, total_steps, n_chunks=optimizer_chunks, offload=offload_optimizer)
     return Programs(ref_logprobs=logprobs, old_logprobs=logprobs, grad=grad, accumulate=accumulate,
-                    update=update, tx=tx)
+                    optimizer=optimizer)

@@ -42,7 +42,7 @@ def test_nonfinite_gradient_skips_the_update():
     prog = make_programs(cfg, RlConfig(), OptimConfig(), total_steps=10)
     params = init_params(cfg, jax.random.key(0))
     before = params_sha256(params)
-    state = prog.tx.init(params)
+    state = prog.optimizer.init(params)
     grads = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), params)
     new, new_state, m = prog.update(params, state, grads)
     assert not bool(m["update_ok"]) and not np.isfinite(float(m["grad_norm"]))

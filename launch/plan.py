@@ -1,0 +1,110 @@
+"""Per-device memory plan of a config before launch: naive colocation vs rollplex, per phase and class.
+
+  python -m launch.plan --flagfile=configs/qwen2_5_vl_32b_h800x32.flags [--format=table|json]
+      [--plan_devices=N] [--plan_prompt_tokens=T] [--plan_vision_tokens=T] [--plan_response_tokens=T]
+      [--plan_video_frames=F] [--plan_attention=flash|dense] [--plan_remat=layer|none]
+
+Prints a table (phases as columns, buffer classes as rows, GiB per device, for both layouts, with the
+peaks, whether each fits --hbm_budget, the smallest budget that fits and every assumption), then one
+JSON object as the last stdout line (``--format=json``: only that line). The formulas and what they
+assume are in ``rollplex_jax/planner.py``.
+"""
+
+import json
+
+from absl import app, flags
+
+from launch import flags as launch_flags
+
+_FORMAT = flags.DEFINE_enum("format", "table", ["table", "json"], "table: for a person, then the JSON line; "
+                            "json: only the JSON line.")
+_DEVICES = flags.DEFINE_integer("plan_devices", 0, "Devices to plan for (0 = --train_fsdp x --train_tp); a "
+                                "multiple of that (data-parallel replicas) and of --rollout_tp.", lower_bound=0)
+_PROMPT = flags.DEFINE_integer("plan_prompt_tokens", 0, "Prompt tokens per row, vision tokens included "
+                               "(0 = --max_prompt_len).", lower_bound=0)
+_VISION = flags.DEFINE_integer("plan_vision_tokens", -1, "Vision (merged) tokens per prompt (-1 = the largest "
+                               "image --max_pixels admits, or the video of --plan_video_frames).", lower_bound=-1)
+_RESPONSE = flags.DEFINE_integer("plan_response_tokens", 0, "Answer tokens per row (0 = --max_new_tokens).",
+                                 lower_bound=0)
+_FRAMES = flags.DEFINE_integer("plan_video_frames", 0, "Plan a video of this many frames per prompt, each at "
+                               "--max_pixels (0 = one image).", lower_bound=0)
+_ATTENTION = flags.DEFINE_enum("plan_attention", "flash", ["flash", "dense"],
+                               "Attention kernel the programs use: flash (memory-efficient, what a GPU run at "
+                               "scale needs) or dense (today's JAX programs: [heads, Tq, Tk] fp32 scores).")
+_REMAT = flags.DEFINE_enum("plan_remat", "layer", ["layer", "none"],
+                           "Activation checkpointing: layer (only each layer's input is saved for the backward) "
+                           "or none (today's JAX programs: every residual is saved).")
+
+
+def _lengths(cfg):
+    from rollplex_jax import planner
+
+    return planner.Lengths.from_config(
+        cfg, prompt_tokens=_PROMPT.value or None,
+        vision_tokens=None if _VISION.value < 0 else _VISION.value,
+        response_tokens=_RESPONSE.value or None, video_frames=_FRAMES.value)
+
+
+def table(p, budget_line: str) -> str:
+    """The plan as text: one block per layout, classes as rows, phases as columns, GiB per device."""
+    from rollplex_jax import planner
+    from rollplex_jax.memory_classes import CLASSES, PHASES
+
+    top = max(p.peak_bytes(name) for name in planner.LAYOUTS)
+    unit, size = next((u, s) for u, s in (("GiB", planner.GiB), ("MiB", planner.MiB), ("KiB", planner.KiB),
+                                          ("B", 1)) if top >= s or u == "B")
+    w = max(len(c) for c in CLASSES) + 2
+    lines = []
+    for name in planner.LAYOUTS:
+        phases = p.layouts[name]
+        title = name + (f"  (optimizer state: {p.optimizer_policy})" if name == "rollplex" else "")
+        lines += ["", f"{title} -- {unit} per device", f"{'class':<{w}}" + "".join(f"{ph:>10}" for ph in PHASES)]
+        for c in CLASSES:
+            if any(phases[ph][c] for ph in PHASES):
+                lines.append(f"{c:<{w}}" + "".join(f"{phases[ph][c] / size:>10.2f}" for ph in PHASES))
+        lines.append(f"{'PEAK':<{w}}" + "".join(f"{p.peak(name, ph) / size:>10.2f}" for ph in PHASES))
+        fits = p.fits(name)
+        budget = planner.human_bytes(p.budget_bytes)
+        verdict = "no --hbm_budget" if fits is None else (f"fits {budget}" if fits else f"DOES NOT FIT {budget}")
+        lines.append(f"peak {planner.human_bytes(p.peak_bytes(name))} ({p.peak_phase(name)}): {verdict}")
+    lines += ["", budget_line, "", "assumptions:"]
+    lines += [f"  {i}. {a}" for i, a in enumerate(p.assumptions, 1)]
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    from rollplex_jax import planner
+
+    cfg = launch_flags.config_from_flags(flags.FLAGS)
+    try:
+        lengths = _lengths(cfg)
+        programs = planner.ProgramModel(attention=_ATTENTION.value, remat=_REMAT.value)
+        p = planner.plan(cfg, lengths, _DEVICES.value or None, programs=programs)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    best = planner.smallest_budget(cfg, lengths, p.devices, programs=programs)
+    out = p.to_dict()
+    out["smallest_budget"] = {"bytes": best.bytes, "gib": round(best.bytes / planner.GiB, 3), "policy": best.policy,
+                              "text": planner.human_bytes(best.bytes, round_up=True)}
+    budget_line = (f"smallest per-device budget for rollplex: {planner.human_bytes(best.bytes, round_up=True)} "
+                   f"(--optimizer_policy={best.policy})")
+    if p.budget_bytes:
+        try:
+            chosen = planner.choose_optimizer_policy(cfg, lengths, p.devices, p.budget_bytes, programs=programs)
+            out["budget_decision"] = {"policy": chosen, "error": None}
+            budget_line += (f"; under --hbm_budget={cfg.memory.hbm_budget}, --optimizer_policy=auto would choose "
+                            f"{chosen}")
+        except planner.BudgetError as e:
+            out["budget_decision"] = {"policy": None, "error": str(e)}
+            budget_line += f"; with --hbm_budget={cfg.memory.hbm_budget}: {e}"
+    if _FORMAT.value == "table":
+        print(f"memory plan: {cfg.model.dtype}, {p.params.total:,} params, {p.devices} devices, per device")
+        print(table(p, budget_line))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    launch_flags.define_flags()
+    app.run(main)

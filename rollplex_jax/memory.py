@@ -1,0 +1,245 @@
+"""Phase-aware memory at run time: where buffers live, and how many device bytes each phase holds.
+
+Buffer classes, phases and default policies are in ``memory_classes`` (shared with the planner).
+This module
+- moves pytrees between device memory and host memory (JAX memory kinds ``device`` and
+  ``pinned_host``): the optimizer state's ``offload`` policy (programs/optimizer.py);
+- measures, per phase of each step, the live device bytes of each class: ``MemoryMeter.mark``
+  takes the arrays the scheduler holds by class at the end of a phase (while the phase's inputs
+  and outputs are both alive; the step's model inputs as ``other``), de-duplicated by (device,
+  buffer pointer); every other live device array of the process is reported apart as
+  ``memory/<phase>_unattributed_bytes`` (a leak shows there); programs run through ``track`` add their XLA temp bytes
+  (``compiled.memory_analysis()``) as ``activations``; the torch engine's own tensors (rebuilt
+  weights) count as ``rollout_weights``. Where the backend has ``memory_stats`` (GPU) the meter
+  also records ``peak_bytes_in_use`` per phase.
+- checks that nothing donated is still viewed by torch (``rollplex_jax.sharing`` does the
+  release; ``assert_donated`` verifies it after an update).
+
+What is not measured on CPU: the rollout engine's KV cache (torch allocates it inside
+``generate``); the planner predicts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+
+from rollplex_jax.memory_classes import CLASSES, PHASES
+
+
+def _sharding(a: jax.Array, kind: str):
+    return a.sharding.with_memory_kind(kind)
+
+
+def _move(tree, kind: str):
+    def put(a):
+        if not isinstance(a, jax.Array) or a.sharding.memory_kind == kind:
+            return a
+        return jax.device_put(a, _sharding(a, kind))
+
+    return jax.tree.map(put, tree)
+
+
+def to_host(tree):
+    """The same pytree in pinned host memory (a copy; the device buffers die with their last reference)."""
+    return _move(tree, "pinned_host")
+
+
+def to_device(tree):
+    """The same pytree in device memory."""
+    return _move(tree, "device")
+
+
+def _leaves(tree) -> Iterable[jax.Array]:
+    return (a for a in jax.tree.leaves(tree) if isinstance(a, jax.Array))
+
+
+def _buffers(a: jax.Array):
+    """(key, bytes) of each device-memory shard of ``a`` (key = device id, buffer pointer)."""
+    if a.is_deleted() or a.sharding.memory_kind not in (None, "device"):
+        return
+    for shard in a.addressable_shards:
+        d = shard.data
+        try:
+            ptr = d.unsafe_buffer_pointer()
+        except Exception:  # noqa: BLE001 - some backends cannot expose a pointer; count by identity
+            ptr = id(d)
+        yield (shard.device.id, ptr), d.nbytes
+
+
+def device_bytes(tree) -> int:
+    """Device bytes of a pytree's arrays, each buffer counted once."""
+    seen = {}
+    for a in _leaves(tree):
+        for key, n in _buffers(a):
+            seen[key] = n
+    return sum(seen.values())
+
+
+def live_by_class(named: dict[str, Any]) -> tuple[dict[str, int], int]:
+    """(device bytes per class of the given pytrees, bytes of every other live device array).
+
+    A buffer named under several classes counts once, in the first (callers list weights first, so a
+    residual that is a parameter buffer counts as weights). The second figure is process-wide (another
+    runner's arrays in the same notebook count there), so it is reported apart, not in a run's peak.
+    """
+    owner: dict = {}
+    for cls, tree in named.items():
+        if cls not in CLASSES:
+            raise KeyError(f"unknown buffer class {cls!r}; known: {sorted(CLASSES)}")
+        for a in _leaves(tree):
+            for key, n in _buffers(a):
+                owner.setdefault(key, (cls, n))
+    out = {cls: 0 for cls in named}
+    for cls, n in owner.values():
+        out[cls] += n
+    rest = {}
+    for a in jax.live_arrays():
+        for key, n in _buffers(a):
+            if key not in owner:
+                rest[key] = n
+    return out, sum(rest.values())
+
+
+def temp_bytes(fn, *args) -> int:
+    """XLA's temp (scratch) bytes of the jitted ``fn`` compiled for ``args`` (compilation is cached)."""
+    try:
+        analysis = fn.lower(*args).compile().memory_analysis()
+    except Exception:  # noqa: BLE001 - backends without memory analysis
+        return 0
+    return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
+
+
+@dataclasses.dataclass
+class PhaseRecord:
+    peak_bytes: int = 0
+    by_class: dict[str, int] = dataclasses.field(default_factory=dict)
+    activations: int = 0
+    backend_peak: int | None = None
+    unattributed: int = 0
+
+
+class MemoryMeter:
+    """Per-step, per-phase peak device bytes by buffer class. One per run; no global state.
+
+    ``mark(phase, **classes)`` at the end of a phase; ``track(fn, phase)`` wraps a jitted program so
+    its temp bytes count in ``phase``; ``step_metrics()`` returns and resets the step's figures.
+    """
+
+    def __init__(self, enabled: bool = True, engine_bytes: Callable[[], int] | None = None):
+        self.enabled = enabled
+        self.engine_bytes = engine_bytes or (lambda: 0)
+        self._temps: dict[tuple, int] = {}
+        self._phases: dict[str, PhaseRecord] = {}
+        self.history: list[dict[str, PhaseRecord]] = []
+
+    def _record(self, phase: str) -> PhaseRecord:
+        if phase not in PHASES:
+            raise KeyError(f"unknown phase {phase!r}; known: {PHASES}")
+        return self._phases.setdefault(phase, PhaseRecord())
+
+    def track(self, fn, phase: str, name: str | None = None):
+        """``fn`` (a jitted program) wrapped: each call adds its temp bytes to ``phase`` (max per phase)."""
+        name = name or getattr(fn, "__name__", repr(fn))
+
+        def run(*args):
+            if self.enabled:
+                sig = (name, tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a))))
+                                   for a in jax.tree.leaves(args)))
+                if sig not in self._temps:
+                    self._temps[sig] = temp_bytes(fn, *args)
+                rec = self._record(phase)
+                rec.activations = max(rec.activations, self._temps[sig])
+            return fn(*args)
+
+        run.lower = fn.lower
+        return run
+
+    def mark(self, phase: str, **classes) -> None:
+        """Snapshot at the end of ``phase``: the arrays the caller holds, by class, plus all other live ones."""
+        if not self.enabled:
+            return
+        rec = self._record(phase)
+        by_class, rest = live_by_class({k: v for k, v in classes.items() if v is not None})
+        rec.unattributed = max(rec.unattributed, rest)
+        engine = int(self.engine_bytes())
+        if engine:
+            by_class["rollout_weights"] = by_class.get("rollout_weights", 0) + engine
+        total = sum(by_class.values())
+        if total >= sum(rec.by_class.values()):
+            rec.by_class = by_class
+        stats = _backend_stats()
+        if stats is not None:
+            rec.backend_peak = max(rec.backend_peak or 0, stats)
+
+    def step_metrics(self) -> dict[str, float]:
+        """``memory/<phase>_peak_bytes`` and ``memory/<phase>/<class>_bytes`` of the step; starts the next."""
+        if not self.enabled:
+            return {}
+        out: dict[str, float] = {}
+        for phase, rec in self._phases.items():
+            by_class = dict(rec.by_class)
+            by_class["activations"] = by_class.get("activations", 0) + rec.activations
+            rec.peak_bytes = sum(by_class.values())
+            rec.by_class = by_class
+            out[f"memory/{phase}_peak_bytes"] = float(rec.peak_bytes)
+            for cls, n in by_class.items():
+                out[f"memory/{phase}/{cls}_bytes"] = float(n)
+            out[f"memory/{phase}_unattributed_bytes"] = float(rec.unattributed)
+            if rec.backend_peak is not None:
+                out[f"memory/{phase}_backend_peak_bytes"] = float(rec.backend_peak)
+        self.history.append(self._phases)
+        self._phases = {}
+        return out
+
+
+def _backend_stats() -> int | None:
+    """Peak bytes in use on device 0 where the backend reports it (GPU/TPU); None on CPU."""
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats else int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
+
+
+def assert_donated(old: dict) -> None:
+    """Raises if any array of ``old`` survived a donating update (a live torch view blocks donation)."""
+    alive = [k for k, a in old.items() if isinstance(a, jax.Array) and not a.is_deleted()]
+    if alive:
+        raise RuntimeError(f"{len(alive)} donated buffer(s) still alive after the update (first: {alive[0]}); "
+                           "a torch view of theta_k was not released before the donating program ran")
+
+
+def phase_rows(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
+    """{phase: {class: bytes}} from one step's ``memory/<phase>/<class>_bytes`` metrics."""
+    out: dict[str, dict[str, float]] = {}
+    for key, v in metrics.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "memory" and parts[2].endswith("_bytes"):
+            out.setdefault(parts[1], {})[parts[2][:-len("_bytes")]] = v
+    return {p: out[p] for p in PHASES if p in out}
+
+
+def plot_memory(metrics: dict[str, float], path: str, title: str = "device memory per phase") -> None:
+    """plots/memory.png: one stacked bar per phase, one colour per buffer class (MiB)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = phase_rows(metrics)
+    classes = [c for c in CLASSES if any(r.get(c, 0) > 0 for r in rows.values())]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(rows)
+    cmap = plt.get_cmap("tab20")
+    for i, cls in enumerate(classes):
+        vals = [rows[p].get(cls, 0.0) / 2**20 for p in rows]
+        ax.bar(list(rows), vals, bottom=bottom, label=cls, color=cmap(i % 20))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_xlabel("phase of the RL step")
+    ax.set_ylabel("live device memory (MiB)")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="buffer class")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,235 @@
+"""rollplex_jax.planner and launch.plan: the residual formula against the real program, parameter counts,
+the flagfiles, the CLI's JSON line, the optimizer policy choice and the budget error."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from absl import flags
+
+from launch import flags as launch_flags
+from rollplex_jax import planner
+from rollplex_jax.config import Config, ModelConfig, parse_bytes, tiny_model_config
+from rollplex_jax.memory_classes import CLASSES, PHASES
+from rollplex_jax.models.qwen2_5_vl import model as M
+from rollplex_jax.models.qwen2_5_vl.params import count_params, init_params, param_shapes
+from rollplex_jax.programs.split import _actor_prefix_residuals
+from tests.hf_reference import mm_inputs
+from tests.paths import REPO
+
+GiB = 2**30
+NEW_FLAGFILES = ["qwen2_5_vl_32b_h800x32.flags", "qwen2_5_vl_7b_8dev.flags", "qwen2_5_vl_3b_8dev.flags"]
+MODELS = {"3b": "qwen2_5_vl_3b.json", "7b": "qwen2_5_vl_7b.json", "32b": "qwen2_5_vl_32b.json"}
+
+
+def _parse(*args: str, plan_flags: bool = False) -> flags.FlagValues:
+    fv = flags.FlagValues()
+    launch_flags.define_flags(fv)
+    if plan_flags:
+        flags.DEFINE_integer("plan_devices", 0, "", flag_values=fv)
+    fv(["prog", *args])
+    return fv
+
+
+def _cfg(flagfile: str, *args: str) -> Config:
+    return launch_flags.config_from_flags(_parse(f"--flagfile={REPO / 'configs' / flagfile}", *args))
+
+
+def _run_plan(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "launch.plan", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+# --- the residual formula against jax.eval_shape of the real prefix program ------------------------------------
+
+def _measured_residual_bytes(cfg: ModelConfig, rows: list) -> tuple[int, dict]:
+    """Bytes of every leaf of the vjp pytree the actor prefix program returns (each is its own buffer:
+    jit outputs never alias inputs, so the forwarded weights and patches count too)."""
+    inp = mm_inputs(cfg, rows, np.random.default_rng(0))
+    inputs = M.prepare_inputs(cfg, **inp)
+    out = jax.eval_shape(lambda p, i: _actor_prefix_residuals(cfg, p, i, None), param_shapes(cfg), inputs)
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out[3])), inp
+
+
+TINY_CONFIGS = {
+    "tiny": tiny_model_config(),
+    "demo": ModelConfig.from_json_file(REPO / "configs" / "models" / "demo.json"),
+    "tiny_bf16": dataclasses.replace(tiny_model_config(), dtype="bfloat16"),
+}
+PROMPTS = {
+    "3 rows, 8x8 image": [[9] * 10 + [("image", (1, 8, 8))]] * 3,
+    "2 rows, 4x6 image": [[9] * 5 + [("image", (1, 4, 6))] + [9] * 3] * 2,
+    "2 rows, text only": [[9] * 12] * 2,
+}
+
+
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_residual_formula_matches_the_prefix_program(name, prompt):
+    cfg = TINY_CONFIGS[name]
+    got, inp = _measured_residual_bytes(cfg, PROMPTS[prompt])
+    rows, tokens = inp["input_ids"].shape
+    grid = inp["image_grid_thw"]
+    vision_tokens = 0 if grid is None else int(np.prod(grid, -1).sum()) // rows // cfg.vision.spatial_merge_size**2
+    predicted = planner.prefix_residual_bytes(cfg, rows, tokens, vision_tokens, planner.CURRENT_PROGRAMS)
+    assert abs(predicted - got) <= 0.15 * got, (name, prompt, predicted, got)
+
+
+def test_cheaper_programs_keep_fewer_residuals():
+    cfg = TINY_CONFIGS["tiny"]
+    sizes = [planner.prefix_residual_bytes(cfg, 4, 64, 16, pm) for pm in (
+        planner.CURRENT_PROGRAMS, planner.ProgramModel("flash", "none"), planner.DEFAULT_PROGRAMS)]
+    assert sizes[0] > sizes[1] > sizes[2] > planner.weight_copy_bytes(cfg)
+
+
+# --- parameter counts -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", list(MODELS))
+def test_param_counts_equal_the_real_model(size):
+    model = ModelConfig.from_json_file(REPO / "configs" / "models" / MODELS[size], dtype="bfloat16")
+    cfg = Config(model=model)
+    real = count_params(jax.eval_shape(lambda: init_params(model, jax.random.key(0))))
+    counts = planner.param_counts(cfg)
+    assert counts.total == real
+    assert counts.vision == count_params({k: v for k, v in param_shapes(model).items() if k.startswith("visual.")})
+    frozen = planner.param_counts(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, freeze_vision=True)))
+    assert frozen.trainable == real - counts.vision
+    p = planner.plan(cfg, planner.Lengths(prompt_tokens=64, vision_tokens=16, response_tokens=8))
+    assert p.layouts["naive_colocation"]["train"]["compute_weights"] == real * 2  # one device, bf16
+
+
+# --- flagfiles ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flagfile", NEW_FLAGFILES)
+def test_new_flagfiles_parse(flagfile):
+    cfg = _cfg(flagfile)
+    assert cfg.model.dtype == "bfloat16" and cfg.memory.budget_bytes == 80 * GiB
+    assert cfg.rollout.group_size == 8 and cfg.run.schedule == "rollplex"
+    json.dumps(cfg.to_dict())
+    with_plan = _parse(f"--flagfile={REPO / 'configs' / flagfile}", plan_flags=True)
+    assert launch_flags.config_from_flags(with_plan) == cfg
+
+
+def test_32b_flagfile_is_the_paper_setting():
+    cfg = _cfg("qwen2_5_vl_32b_h800x32.flags")
+    assert cfg.model == ModelConfig.from_json_file(REPO / "configs" / "models" / "qwen2_5_vl_32b.json",
+                                                   dtype="bfloat16")
+    assert (cfg.mesh.train_tp, cfg.mesh.train_fsdp, cfg.mesh.rollout_tp) == (8, 1, 4)
+    assert cfg.memory.optimizer_policy == "offload"
+    fv = _parse(f"--flagfile={REPO / 'configs' / 'qwen2_5_vl_32b_h800x32.flags'}", plan_flags=True)
+    assert fv.plan_devices == 32
+    lengths = planner.Lengths.from_config(cfg)
+    assert lengths.vision_tokens >= 2000 and lengths.prompt_tokens > 5 * lengths.response_tokens
+
+
+# --- the CLI --------------------------------------------------------------------------------------------------
+
+def test_cli_32b_plan_fits_80gib_and_beats_naive_colocation():
+    r = _run_plan("--flagfile=configs/qwen2_5_vl_32b_h800x32.flags")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert len(lines) > 20 and "naive_colocation" in r.stdout and "assumptions:" in r.stdout  # the table first
+    assert out["devices"] == 32
+    naive, rollplex = out["layouts"]["naive_colocation"], out["layouts"]["rollplex"]
+    assert rollplex["peak_bytes"] < 80 * GiB and rollplex["fits"] is True
+    assert naive["peak_bytes"] > rollplex["peak_bytes"]
+    for layout in (naive, rollplex):
+        assert set(layout["phases"]) == set(PHASES)
+        for phase in PHASES:
+            assert set(layout["phases"][phase]) == set(CLASSES)
+            assert layout["peaks"][phase] == sum(layout["phases"][phase].values())
+        assert layout["peak_bytes"] == max(layout["peaks"].values())
+    assert rollplex["phases"]["rollout"]["boundary_kv"] > 0 and naive["phases"]["rollout"]["boundary_kv"] == 0
+    assert out["weight_sharing"]["status"] == "assumption"
+    assert out["weight_sharing"]["rebuilt_bytes_per_device"] < out["weight_sharing"]["naive_copy_bytes_per_device"]
+    assert any("ASSUMPTION" in a and "issue 7" in a for a in out["assumptions"])
+    assert out["smallest_budget"]["bytes"] <= rollplex["peak_bytes"]
+
+
+def test_cli_json_format_and_overrides():
+    r = _run_plan("--flagfile=configs/qwen2_5_vl_7b_8dev.flags", "--format=json", "--plan_prompt_tokens=1024",
+                  "--plan_vision_tokens=256", "--plan_response_tokens=128", "--plan_devices=16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(r.stdout.strip().splitlines()) == 1
+    out = json.loads(r.stdout)
+    assert out["devices"] == 16
+    assert (out["lengths"]["prompt_tokens"], out["lengths"]["vision_tokens"], out["lengths"]["response_tokens"]) \
+        == (1024, 256, 128)
+    bad = _run_plan("--flagfile=configs/qwen2_5_vl_7b_8dev.flags", "--plan_devices=12")
+    assert bad.returncode != 0 and "multiple of" in bad.stderr
+
+
+# --- policies and budgets -------------------------------------------------------------------------------------
+
+def _32b():
+    cfg = _cfg("qwen2_5_vl_32b_h800x32.flags")
+    return cfg, planner.Lengths.from_config(cfg), 32
+
+
+def test_offload_removes_exactly_the_optimizer_bytes_outside_update():
+    cfg, lengths, devices = _32b()
+    res = planner.plan(cfg, lengths, devices, optimizer_policy="resident")
+    off = planner.plan(cfg, lengths, devices, optimizer_policy="offload")
+    assert (res.optimizer_policy, off.optimizer_policy) == ("resident", "offload")
+    state = res.layouts["rollplex"]["train"]["master_weights"] + res.layouts["rollplex"]["train"]["optimizer_state"]
+    assert state > 10 * GiB
+    for phase in ("rollout", "score", "train"):
+        assert res.peak("rollplex", phase) - off.peak("rollplex", phase) == pytest.approx(state, abs=2)
+    chunk = off.layouts["rollplex"]["update"]
+    assert chunk["master_weights"] + chunk["optimizer_state"] == pytest.approx(state / cfg.memory.optimizer_chunks)
+    assert off.peak("naive_colocation", "train") == res.peak("naive_colocation", "train")  # naive keeps everything
+
+
+def test_budget_error_names_the_smallest_budget():
+    cfg, lengths, devices = _32b()
+    best = planner.smallest_budget(cfg, lengths, devices)
+    with pytest.raises(planner.BudgetError) as e:
+        planner.choose_optimizer_policy(cfg, lengths, devices, parse_bytes("4GiB"))
+    msg = str(e.value)
+    assert planner.human_bytes(best.bytes, round_up=True) in msg and "GiB" in msg and "4.00 GiB" in msg
+    assert f"--optimizer_policy={best.policy}" in msg
+    # The named budget fits.
+    named = float(msg.split("--hbm_budget=")[1].split("GiB")[0])
+    assert planner.choose_optimizer_policy(cfg, lengths, devices, int(named * GiB)) in ("resident", "offload")
+
+
+def test_choose_offload_only_when_resident_does_not_fit():
+    cfg, lengths, devices = _32b()
+    res = planner.plan(cfg, lengths, devices, optimizer_policy="resident").peak_bytes("rollplex")
+    off = planner.plan(cfg, lengths, devices, optimizer_policy="offload").peak_bytes("rollplex")
+    assert off < res
+    assert planner.choose_optimizer_policy(cfg, lengths, devices, res) == "resident"
+    assert planner.choose_optimizer_policy(cfg, lengths, devices, (res + off) // 2) == "offload"
+    assert planner.choose_optimizer_policy(cfg, lengths, devices, 0) == "resident"  # no budget
+    with pytest.raises(planner.BudgetError):
+        planner.choose_optimizer_policy(cfg, lengths, devices, off - 1)
+    auto = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, optimizer_policy="auto",
+                                                               hbm_budget=f"{(res + off) // 2}B"))
+    assert planner.plan(auto, lengths, devices).optimizer_policy == "offload"
+
+
+# --- layout semantics -----------------------------------------------------------------------------------------
+
+def test_prefix_sharing_reference_and_recompute_switches():
+    cfg, lengths, devices = _32b()
+    base = planner.plan(cfg, lengths, devices).layouts["rollplex"]
+    run, rl = cfg.run, cfg.rl
+    per_sample = planner.plan(dataclasses.replace(cfg, run=dataclasses.replace(run, prefix_sharing=False)),
+                              lengths, devices).layouts["rollplex"]
+    g = cfg.rollout.group_size
+    assert per_sample["rollout"]["boundary_kv"] == pytest.approx(g * base["rollout"]["boundary_kv"], rel=0.01)
+    no_ref = planner.plan(dataclasses.replace(cfg, rl=dataclasses.replace(rl, kl_mode="off")), lengths, devices)
+    assert all(no_ref.layouts[lay][p]["ref_weights"] == 0 for lay in planner.LAYOUTS for p in PHASES)
+    assert no_ref.layouts["rollplex"]["rollout"]["boundary_kv"] == pytest.approx(base["train"]["boundary_kv"])
+    recompute = planner.plan(dataclasses.replace(cfg, run=dataclasses.replace(run, actor_prefix="recompute")),
+                             lengths, devices).layouts["rollplex"]
+    assert recompute["rollout"]["prefix_residuals"] == 0 < base["rollout"]["prefix_residuals"]
+    assert recompute["train"]["activations"] > base["train"]["activations"]

@@ -1,0 +1,168 @@
+"""Phase-aware memory at run time: measurement by class, offload of the optimizer state, lifetimes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rollplex_jax import memory
+from rollplex_jax.config import (
+    Config,
+    DataConfig,
+    MemoryConfig,
+    ModelConfig,
+    OptimConfig,
+    RlConfig,
+    RolloutConfig,
+    RunConfig,
+)
+from rollplex_jax.memory_classes import CLASSES, PHASES
+from rollplex_jax.models.qwen2_5_vl.params import params_sha256
+from rollplex_jax.runner import Runner
+from tests.paths import REPO
+
+
+def test_device_bytes_counts_each_buffer_once_and_skips_host_memory():
+    a = jnp.ones((256,), jnp.float32)
+    assert memory.device_bytes({"x": a, "y": a, "z": [a]}) == 1024
+    host = memory.to_host(a)
+    assert host.sharding.memory_kind == "pinned_host" and memory.device_bytes(host) == 0
+    back = memory.to_device(host)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(a))
+    assert memory.device_bytes(back) == 1024
+
+
+def test_live_by_class_attributes_named_arrays_and_counts_the_rest_as_other():
+    w = jnp.ones((1000,), jnp.float32)
+    g = jnp.zeros((500,), jnp.float32)
+    stray = jnp.arange(300, dtype=jnp.float32)
+    out, rest = memory.live_by_class({"compute_weights": {"w": w}, "gradients": (g,)})
+    assert out["compute_weights"] == 4000 and out["gradients"] == 2000
+    assert rest >= stray.nbytes  # every other live array, reported apart
+    with pytest.raises(KeyError, match="unknown buffer class"):
+        memory.live_by_class({"weights": w})
+
+
+def test_meter_peak_is_the_largest_snapshot_plus_program_temps():
+    meter = memory.MemoryMeter()
+    f = meter.track(jax.jit(lambda x: jnp.sort(jnp.tanh(x) * 2.0)[::-1] + x.sum()), "train", "f")
+    x = jnp.ones((4096,), jnp.float32)
+    y = f(x)
+    meter.mark("train", compute_weights=x, gradients=y)
+    m = meter.step_metrics()
+    assert m["memory/train/compute_weights_bytes"] == x.nbytes and m["memory/train/gradients_bytes"] == y.nbytes
+    assert m["memory/train_peak_bytes"] == sum(v for k, v in m.items() if k.startswith("memory/train/"))
+    assert meter.step_metrics() == {}  # next step starts empty
+    with pytest.raises(KeyError, match="unknown phase"):
+        meter.mark("warmup", compute_weights=x)
+
+
+def test_buffer_class_lifetimes():
+    kv = CLASSES["boundary_kv"]
+    assert [kv.live_in(p) for p in PHASES] == [True, True, True, False]
+    opt = CLASSES["optimizer_state"]
+    assert all(opt.live_in(p, "resident") for p in PHASES)
+    assert [opt.live_in(p, "offload") for p in PHASES] == [False, False, False, True]
+    assert not CLASSES["prefix_residuals"].live_in("train", "recompute")
+
+
+def _config(tmp_path, name, **memory_kw) -> Config:
+    model = ModelConfig.from_json_file(REPO / "configs" / "models" / "demo.json")
+    return Config(
+        model=model,
+        data=DataConfig(synthetic_n=16, eval_n=0, min_pixels=3136, max_pixels=3136, max_prompt_len=64),
+        rollout=RolloutConfig(group_size=4, max_new_tokens=3, max_batch=64),
+        rl=RlConfig(batch_prompts=4, micro_batch=16, reward="launch.bench_reward:varied_reward"),
+        optim=OptimConfig(lr=1e-3),
+        memory=MemoryConfig(**memory_kw),
+        run=RunConfig(workdir=str(tmp_path / name), steps=2, progress=False, schedule="rollplex"),
+    )
+
+
+def test_offloaded_optimizer_state_lives_on_the_device_only_during_the_update(tmp_path):
+    """Same params as the resident run; optimizer bytes on the device only in `update`, one chunk at a time;
+    boundary KV and residuals freed after their last consumer (the gradient)."""
+    runs = {}
+    for policy in ("resident", "offload"):
+        r = Runner(_config(tmp_path, policy, optimizer_policy=policy, optimizer_chunks=4))
+        runs[policy] = (list(r.run()), params_sha256(r.state.params), r)
+    (res, res_sha, r_res), (off, off_sha, r_off) = runs["resident"], runs["offload"]
+    assert off_sha == res_sha
+    opt_bytes = memory.device_bytes(r_res.state.opt_state)
+    assert opt_bytes > 0 and memory.device_bytes(r_off.state.opt_state) == 0
+    for m_res, m_off in zip(res, off, strict=True):
+        assert m_res["memory/rollout/optimizer_state_bytes"] == opt_bytes
+        for phase in ("rollout", "score", "train"):
+            assert m_off[f"memory/{phase}/optimizer_state_bytes"] == 0
+            assert m_off[f"memory/{phase}_peak_bytes"] < m_res[f"memory/{phase}_peak_bytes"]
+        # during the update only about one chunk of the state (of 4) is on the device
+        assert 0 < m_off["memory/update/optimizer_state_bytes"] < 0.5 * opt_bytes
+        for m in (m_res, m_off):
+            assert m["memory/rollout/prefix_residuals_bytes"] > 0 and m["memory/rollout/boundary_kv_bytes"] > 0
+            assert m.get("memory/update/prefix_residuals_bytes", 0) == 0
+            assert m.get("memory/update/boundary_kv_bytes", 0) == 0
+    for _, _, r in runs.values():
+        r.close()
+
+
+def test_offloaded_run_checkpoints_and_resumes_to_the_same_params(tmp_path):
+    cfg = _config(tmp_path, "a", optimizer_policy="offload", optimizer_chunks=3)
+    whole = Runner(cfg)
+    list(whole.run())
+    want = params_sha256(whole.state.params)
+    whole.close()
+    cut = _config(tmp_path, "b", optimizer_policy="offload", optimizer_chunks=3)
+    first = Runner(dataclasses.replace(cut, run=dataclasses.replace(cut.run, steps=1)))
+    list(first.run())
+    first.save()
+    first.checkpointer.wait()
+    first.close()
+    again = Runner(dataclasses.replace(cut, run=dataclasses.replace(cut.run, resume=True)))
+    assert again.step == 1 and memory.device_bytes(again.state.opt_state) == 0
+    list(again.run())
+    assert params_sha256(again.state.params) == want
+    again.close()
+
+
+def _demo_runner(tmp_path, name, **overrides) -> Runner:
+    """The demo's flagfile (tiny_cpu.flags), a few steps of a reward with signal in every group."""
+    kw = dict(steps=2, synthetic_n=32, eval_n=0, progress=False, schedule="rollplex",
+              reward="launch.bench_reward:varied_reward")
+    return Runner.from_flagfile("configs/tiny_cpu.flags", workdir=str(tmp_path / name), **{**kw, **overrides})
+
+
+@pytest.mark.parametrize("policy", ["resident", "offload"])
+def test_planner_predicts_the_measured_peak_of_every_phase_within_15_percent(tmp_path, policy):
+    r = _demo_runner(tmp_path, policy, optimizer_policy=policy)
+    list(r.run())
+    report = r.memory_report()
+    r.close()
+    rows = report["planned_vs_measured"]
+    assert set(rows) == set(PHASES)
+    for phase, row in rows.items():
+        assert 0.85 <= row["planned_over_measured"] <= 1.15, (phase, row)
+
+
+def test_hbm_budget_forces_offload_or_refuses_naming_the_smallest_budget(tmp_path):
+    from rollplex_jax import planner
+    from rollplex_jax.config import ConfigError
+
+    probe = _demo_runner(tmp_path, "probe")
+    peaks = {p: planner.plan(probe.cfg, probe.lengths, 1, programs=planner.CURRENT_PROGRAMS,
+                             optimizer_policy=p).peak_bytes("rollplex") for p in ("resident", "offload")}
+    probe.close()
+    assert peaks["offload"] < peaks["resident"]
+    budget = (peaks["offload"] + peaks["resident"]) // 2  # fits only with the optimizer state offloaded
+    r = _demo_runner(tmp_path, "fit", hbm_budget=str(budget))
+    assert r.optimizer_policy == "offload"
+    ms = list(r.run())
+    r.close()
+    for m in ms:
+        assert m["memory/rollout/optimizer_state_bytes"] == 0
+        assert max(m[f"memory/{p}_peak_bytes"] for p in PHASES) < budget
+    with pytest.raises(ConfigError, match=r"smallest budget that fits is [0-9.]+ MiB"):
+        _demo_runner(tmp_path, "tiny", hbm_budget="1MiB")
+    with pytest.raises(ConfigError, match="--schedule=rollplex"):
+        _demo_runner(tmp_path, "serial", hbm_budget="1GiB", schedule="serial")
