@@ -31,6 +31,13 @@ demo: $(STAMP)
 	rm -rf runs/demo
 	$(BIN)/python -m launch.main --flagfile=configs/tiny_cpu.flags --workdir=runs/demo
 
+# The README's pictures (docs/images/reward.png, timeline.png) from a real `make demo` run: runs the demo
+# first when runs/demo has no finished run (run_summary.json), then renders from its outputs.
+.PHONY: readme-figures
+readme-figures: $(STAMP)
+	test -f runs/demo/run_summary.json || $(MAKE) demo
+	$(BIN)/python -m launch.readme_figures --workdir=runs/demo --out=docs/images
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 

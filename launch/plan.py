@@ -8,6 +8,13 @@ Prints a table (phases as columns, buffer classes as rows, GiB per device, for b
 peaks, whether each fits --hbm_budget, the smallest budget that fits and every assumption), then one
 JSON object as the last stdout line (``--format=json``: only that line). The formulas and what they
 assume are in ``rollplex_jax/planner.py``.
+
+  python -m launch.plan --simulate --flagfile=... [--sim_hardware=H800|H100|H200|cpu] [--simulate_sweep]
+      [--sim_response_mean=T] [--sim_disagg_split=0.5] [--plot_out=PATH]
+
+predicts the step time instead (phases x schedules serial / rollplex / overlap_only / sharing_only /
+disaggregated, speedups, assumptions; rollplex_jax/simulator.py), writes plan_timeline.png (under
+--workdir unless --plot_out), JSON last.
 """
 
 import json
@@ -31,6 +38,19 @@ _FRAMES = flags.DEFINE_integer("plan_video_frames", 0, "Plan a video of this man
 _ATTENTION = flags.DEFINE_enum("plan_attention", "flash", ["flash", "dense"],
                                "Attention kernel the programs use: flash (memory-efficient, what a GPU run at "
                                "scale needs) or dense (today's JAX programs: [heads, Tq, Tk] fp32 scores).")
+_SIMULATE = flags.DEFINE_bool("simulate", False, "Predict each phase's time and the step time of serial, rollplex "
+                               "(+ overlap_only, sharing_only) and disaggregated on --sim_hardware instead of memory "
+                               "(rollplex_jax/simulator.py); writes plan_timeline.png.")
+_SWEEP = flags.DEFINE_bool("simulate_sweep", False, "With --simulate: also print which assumption moves the "
+                           "rollplex/serial speedup most (each scaled x0.5 and x2).")
+_HW = flags.DEFINE_string("sim_hardware", "H800", "Hardware preset: H800, H100, H200 or cpu (measured by a short "
+                          "calibration probe, cached in <workdir>/cpu_calibration.json).")
+_RESP_MEAN = flags.DEFINE_float("sim_response_mean", 0.0, "Mean answer tokens (0 = the max, --plan_response_tokens "
+                                "or --max_new_tokens): decode steps use the max, KV reads and FLOPs the mean.")
+_SPLIT = flags.DEFINE_float("sim_disagg_split", 0.5, "Fraction of the devices in the disaggregated rollout pool.")
+_PLOT = flags.DEFINE_string("plot_out", "", "Where to write the simulated timeline "
+                            "(default <workdir>/plan_timeline.png).")
+_RECAL = flags.DEFINE_bool("sim_recalibrate", False, "Re-run the CPU calibration probe even if cached.")
 _REMAT = flags.DEFINE_enum("plan_remat", "layer", ["layer", "none"],
                            "Activation checkpointing: layer (only each layer's input is saved for the backward) "
                            "or none (today's JAX programs: every residual is saved).")
@@ -78,6 +98,8 @@ def main(argv):
     from rollplex_jax import planner
 
     cfg = launch_flags.config_from_flags(flags.FLAGS)
+    if _SIMULATE.value:
+        return simulate_main(cfg)
     try:
         lengths = _lengths(cfg)
         programs = planner.ProgramModel(attention=_ATTENTION.value, remat=_REMAT.value)
@@ -102,6 +124,39 @@ def main(argv):
     if _FORMAT.value == "table":
         print(f"memory plan: {cfg.model.dtype}, {p.params.total:,} params, {p.devices} devices, per device")
         print(table(p, budget_line))
+    print(json.dumps(out))
+
+
+def simulate_main(cfg):
+    import os
+
+    from rollplex_jax import hardware, planner, simulator
+
+    try:
+        lengths = _lengths(cfg)
+        hw = hardware.preset(_HW.value, workdir=cfg.run.workdir, torch_threads=cfg.rollout.torch_threads,
+                             recalibrate=_RECAL.value)
+        programs = None if hw.default_programs == "dense" else planner.ProgramModel(_ATTENTION.value, _REMAT.value)
+        kw = dict(response_mean=_RESP_MEAN.value or None, programs=programs)
+        sim = simulator.simulate(cfg, hw, lengths, _DEVICES.value or None, disagg_split=_SPLIT.value, **kw)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    out = sim.to_dict()
+    path = _PLOT.value or os.path.join(cfg.run.workdir, "plan_timeline.png")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    simulator.plot(sim, path)
+    out["plot"] = path
+    if _SWEEP.value:
+        rows = simulator.sweep(cfg, hw, lengths, _DEVICES.value or None, **kw)
+        out["sweep"] = rows
+    if _FORMAT.value == "table":
+        print(f"simulated step: {cfg.model.dtype}, {sim.details['params']:,} params, {sim.devices} x {hw.name}, "
+              f"batch {cfg.rl.batch_prompts} x {cfg.rollout.group_size}")
+        print(simulator.table(sim))
+        if _SWEEP.value:
+            print("\nsensitivity of the rollplex/serial speedup (each assumption x0.5 and x2, largest move first):")
+            print(simulator.sweep_table(out["sweep"]))
+        print(f"\ntimeline: {path}")
     print(json.dumps(out))
 
 

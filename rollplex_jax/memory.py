@@ -12,8 +12,8 @@ This module
   (``compiled.memory_analysis()``) as ``activations``; the torch engine's own tensors (rebuilt
   weights) count as ``rollout_weights``. Where the backend has ``memory_stats`` (GPU) the meter
   also records ``peak_bytes_in_use`` per phase.
-- checks that nothing donated is still viewed by torch (``rollplex_jax.sharing`` does the
-  release; ``assert_donated`` verifies it after an update).
+- counts theta_k bytes that outlived a donating update (``undonated_bytes``: an in-flight checkpoint
+  copy or a user's numpy view blocks donation; torch views are checked released by the WeightBinder).
 
 What is not measured on CPU: the rollout engine's KV cache (torch allocates it inside
 ``generate``); the planner predicts it.
@@ -120,6 +120,7 @@ class PhaseRecord:
     activations: int = 0
     backend_peak: int | None = None
     unattributed: int = 0
+    undonated: int = 0
 
 
 class MemoryMeter:
@@ -175,6 +176,12 @@ class MemoryMeter:
         if stats is not None:
             rec.backend_peak = max(rec.backend_peak or 0, stats)
 
+    def undonated(self, old: dict) -> None:
+        """Records theta_k's bytes that outlived the update (``memory/update/undonated_bytes``)."""
+        if self.enabled:
+            rec = self._record("update")
+            rec.undonated = max(rec.undonated, undonated_bytes(old))
+
     def step_metrics(self) -> dict[str, float]:
         """``memory/<phase>_peak_bytes`` and ``memory/<phase>/<class>_bytes`` of the step; starts the next."""
         if not self.enabled:
@@ -189,6 +196,8 @@ class MemoryMeter:
             for cls, n in by_class.items():
                 out[f"memory/{phase}/{cls}_bytes"] = float(n)
             out[f"memory/{phase}_unattributed_bytes"] = float(rec.unattributed)
+            if phase == "update":
+                out["memory/update_undonated_bytes"] = float(rec.undonated)
             if rec.backend_peak is not None:
                 out[f"memory/{phase}_backend_peak_bytes"] = float(rec.backend_peak)
         self.history.append(self._phases)
@@ -202,44 +211,38 @@ def _backend_stats() -> int | None:
     return None if not stats else int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)))
 
 
-def assert_donated(old: dict) -> None:
-    """Raises if any array of ``old`` survived a donating update (a live torch view blocks donation)."""
-    alive = [k for k, a in old.items() if isinstance(a, jax.Array) and not a.is_deleted()]
-    if alive:
-        raise RuntimeError(f"{len(alive)} donated buffer(s) still alive after the update (first: {alive[0]}); "
-                           "a torch view of theta_k was not released before the donating program ran")
+def undonated_bytes(old: dict) -> int:
+    """Device bytes of ``old`` (theta_k) still alive after a donating update.
+
+    Donation is skipped (the program copies instead) while anything else holds the buffer: a torch
+    view (the WeightBinder checks those are released before any update), an in-flight asynchronous
+    checkpoint's host copy, or a user's numpy view in a notebook. The result is still exact; the
+    cost is memory, which this counts.
+    """
+    return device_bytes({k: a for k, a in old.items() if isinstance(a, jax.Array) and not a.is_deleted()})
 
 
-def phase_rows(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
-    """{phase: {class: bytes}} from one step's ``memory/<phase>/<class>_bytes`` metrics."""
-    out: dict[str, dict[str, float]] = {}
-    for key, v in metrics.items():
-        parts = key.split("/")
-        if len(parts) == 3 and parts[0] == "memory" and parts[2].endswith("_bytes"):
-            out.setdefault(parts[1], {})[parts[2][:-len("_bytes")]] = v
-    return {p: out[p] for p in PHASES if p in out}
+def peak_row(history: list[dict]) -> dict[str, float]:
+    """One metrics row holding, for each phase, the ``memory/<phase>*`` figures of the step where that
+    phase's peak was highest (a step that skipped its update has no train/update phase)."""
+    out: dict[str, float] = {}
+    for phase in PHASES:
+        key = f"memory/{phase}_peak_bytes"
+        rows = [h for h in history if key in h]
+        if rows:
+            best = max(rows, key=lambda h: h[key])
+            out.update({k: v for k, v in best.items() if k.startswith(f"memory/{phase}/") or k == key})
+    return out
 
 
-def plot_memory(metrics: dict[str, float], path: str, title: str = "device memory per phase") -> None:
-    """plots/memory.png: one stacked bar per phase, one colour per buffer class (MiB)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot_memory(history: list[dict], path: str, title: str = "device memory per phase (peak step)") -> None:
+    """plots/memory.png: per phase, the live bytes by buffer class at its peak step (stacked bars)."""
     import matplotlib.pyplot as plt
 
-    rows = phase_rows(metrics)
-    classes = [c for c in CLASSES if any(r.get(c, 0) > 0 for r in rows.values())]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bottom = [0.0] * len(rows)
-    cmap = plt.get_cmap("tab20")
-    for i, cls in enumerate(classes):
-        vals = [rows[p].get(cls, 0.0) / 2**20 for p in rows]
-        ax.bar(list(rows), vals, bottom=bottom, label=cls, color=cmap(i % 20))
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.set_xlabel("phase of the RL step")
-    ax.set_ylabel("live device memory (MiB)")
-    ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="buffer class")
+    from rollplex_jax.outputs import draw_memory
+
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    draw_memory(ax, [peak_row(history)], title=title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

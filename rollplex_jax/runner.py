@@ -287,10 +287,11 @@ class Runner:
         }
         outputs.write_summary(self.workdir, summary)
         if self.history:
-            outputs.plot_reward(self.history, os.path.join(self.workdir, "plots", "reward.png"))
+            outputs.plot_reward(self.history, os.path.join(self.workdir, "plots", "reward.png"),
+                                eval_accuracy=ev.get("eval/greedy_accuracy"), reward_name=self.cfg.rl.reward)
             if any(k.startswith("memory/") for k in self.history[-1]):
-                plot_memory(self.history[-1], os.path.join(self.workdir, "plots", "memory.png"),
-                            title=f"{self.cfg.run.schedule}: live device memory per phase (step {self.step})")
+                plot_memory(self.history, os.path.join(self.workdir, "plots", "memory.png"),
+                            title=f"{self.cfg.run.schedule}: device memory per phase (at each phase's peak step)")
         self.write_timeline()
         self.close()
         return summary
@@ -341,8 +342,10 @@ class Runner:
         Raises:
           ConfigError: the flagfile is missing, a flag is unknown, or a value is invalid (names the flag).
         """
+        from launch.flags import resolve_path
+
         runner = cls(config_from_flagfile(path, **overrides), log=log)
-        runner._flag_source = (os.fspath(path), dict(overrides))
+        runner._flag_source = (str(resolve_path(os.fspath(path)) or path), dict(overrides))  # for fork()
         return runner
 
     def fork(self, workdir: str | os.PathLike, *, log=None, **overrides) -> Runner:
@@ -411,8 +414,9 @@ class Runner:
     def timeline(self, last_steps: int | None = None) -> list:
         """The phase spans (``trace.Span``: lane, name, step, start, end in s) of this process's steps.
 
-        ``last_steps``: only the spans of the last N steps that have spans. Draw them with
-        ``trace.plot_timeline`` / ``trace.plot_timelines_side_by_side``; ``<workdir>/trace.json`` has all.
+        ``span.step`` is the tracer's 0-based step index: metrics.jsonl's ``step`` minus 1. ``last_steps``: only
+        the spans of the last N steps that have spans. Draw them with ``trace.plot_timeline`` /
+        ``trace.plot_timelines_side_by_side``; ``<workdir>/trace.json`` has all.
         """
         spans = self.tracer.spans
         if last_steps is not None:

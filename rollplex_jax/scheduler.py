@@ -393,9 +393,11 @@ def _train(ctx: StepContext, state: TrainState, ops, adv, mask, ref_logp, tracer
             prog.optimizer.on_chunk = functools.partial(_mark_chunk, ctx, params, opt_state, state.ref_params, grads,
                                                         ops.live())
         with tracer.span("update", "update", step):
-            params, opt_state, um = prog.update(params, opt_state, grads)
+            old, (params, opt_state, um) = params, prog.update(params, opt_state, grads)
             ok = bool(um["update_ok"])
         prog.optimizer.on_chunk = None
+        if ctx.meter is not None:  # theta_k's buffers should be gone (donated); count any that survived
+            ctx.meter.undonated(old)
         version += 1
         skipped += not ok
         sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(um["grad_norm"]) / n_mini

@@ -73,7 +73,8 @@ def test_resume_equals_uninterrupted(tmp_path, schedule):
 
 
 def _launch(workdir, *extra, env_extra=None):
-    args = ["--flagfile=configs/tiny_cpu.flags", f"--workdir={workdir}", "--batch_prompts=2", "--group_size=4",
+    args = ["--flagfile=configs/tiny_cpu.flags", "--schedule=serial", f"--workdir={workdir}", "--batch_prompts=2",
+            "--group_size=4",
             "--synthetic_n=16", "--eval_n=0", "--reward=tests.reward_fns:length_parity", "--noprogress", *extra]
     env = dict(os.environ, JAX_PLATFORMS="cpu", **(env_extra or {}))
     return subprocess.Popen([sys.executable, "-m", "launch.main", *args], cwd=REPO, env=env,
