@@ -55,8 +55,9 @@ the program's jaxpr (``tests/launch/test_plan.py`` checks the total against ``ja
   + attention: dense: r H t tk (2 x 4 + b + 1) (fp32 scores and probs, cast probs, mask) + 2 r H t 4;
                flash: r H t 4 (log-sum-exp);
 per vision block over n patches (width dv, MLP Fv, hv heads of dh): the same pattern
-  n [5 dv b + 2 dv 4 + 4 x 4 + 2 dh 4 + 3 dv b + 6 Fv b] + dense: hv n^2 (2 x 4 + b + 1) + 2 hv n 4,
-  flash: hv n 4 (the program's windowed attention is a dense mask over all n patches of the call);
+  n [5 dv b + 2 dv 4 + 4 x 4 + 2 dh 4 + 3 dv b + 6 Fv b] + dense (attention gathered per segment: a
+  window, or one image at full-attention blocks; g segments padded to s patches, square images
+  assumed): hv g s^2 (2 x 4 + b + 1) + 2 hv g s 4 + 3 g s hv dh b (gathered q, k, v); flash: hv n 4;
 plus the final norm / last-token logits input, the vision merger (5 [n/4, 4 dv] tensors) and the
 index arrays. With per-layer activation checkpointing (``remat='layer'``) only each layer's and
 block's input ([r, t, D] and [n, dv] in the dtype), the rotary tables and masks are saved.
@@ -95,9 +96,8 @@ Programs (``ProgramModel``): the attention kernel (``dense`` materialises [heads
 it used in its assumptions.
 
 To compare a plan with the memory today's programs measure (``rollplex_jax.memory``), pass
-``programs=CURRENT_PROGRAMS``: at scale they do not fit anything (the vision tower's windowed attention
-is one dense mask over all patches of a call, and no activation is recomputed), which is why the
-default plans the programs a GPU run needs.
+``programs=CURRENT_PROGRAMS``: at scale they keep every residual (no activation is recomputed) and
+materialise attention scores, which is why the default plans the programs a GPU run needs.
 
 Naive colocation vs the paper's "about 165 GiB per GPU" (Qwen2.5-VL-32B, 32 x H800): with
 ``configs/qwen2_5_vl_32b_h800x32.flags`` this planner gives about 86 GiB (dense attention with
@@ -303,13 +303,41 @@ def _layer_saved(m: ModelConfig, r: int, t: int, tk: int, pm: ProgramModel) -> f
     return r * t * per_token + att + 2 * dd * b
 
 
-def _block_saved(m: ModelConfig, n: int, pm: ProgramModel) -> float:
+def _segments(m: ModelConfig, n: int, per_image: int | None, full: bool) -> tuple[float, float]:
+    """(segments, padded patches per segment) of one vision block over n patches of images of
+    ``per_image`` patches (square grids assumed): full-attention blocks attend within each image, the
+    others within windows of ``window_size`` px, padded to the largest window (vision.py)."""
+    v = m.vision
+    per_image = per_image or n
+    images = n / per_image
+    if full:
+        return images, per_image
+    unit = v.spatial_merge_size**2
+    side = max(1, round(math.sqrt(per_image / unit)))  # merge units per side
+    win = v.merger_window
+    return images * math.ceil(side / win) ** 2, min(win, side) ** 2 * unit
+
+
+def _block_saved(m: ModelConfig, n: int, pm: ProgramModel, per_image: int | None = None,
+                 full: bool = False) -> float:
     """Saved activations of one vision block over n patches (no remat)."""
     v, b = m.vision, _b(m)
     dv, fv, hv, dh = v.hidden_size, v.intermediate_size, v.num_heads, v.head_dim
     per_patch = 5 * dv * b + 2 * dv * _F32 + 4 * _F32 + 2 * dh * _F32 + 3 * dv * b + 6 * fv * b
-    att = hv * n * n * (2 * _F32 + b + 1) + 2 * hv * n * _F32 if pm.attention == "dense" else hv * n * _F32
+    if pm.attention == "dense":  # gathered per segment: q, k, v copies, scores/probs, row statistics
+        segs, size = _segments(m, n, per_image, full)
+        slots = segs * size
+        att = hv * segs * size * size * (2 * _F32 + b + 1) + 2 * hv * slots * _F32 + 3 * slots * hv * dh * b
+    else:
+        att = hv * n * _F32
     return n * per_patch + att + 2 * dv * b
+
+
+def _blocks_saved(m: ModelConfig, n: int, pm: ProgramModel, per_image: int | None) -> float:
+    v = m.vision
+    full = sum(1 for i in range(v.depth) if i in v.fullatt_block_indexes)
+    return (full * _block_saved(m, n, pm, per_image, True)
+            + (v.depth - full) * _block_saved(m, n, pm, per_image, False))
 
 
 def _text_const(m: ModelConfig, r: int, t: int, vision: bool) -> float:
@@ -330,7 +358,7 @@ def _vision_const(m: ModelConfig, n: int) -> float:
 
 
 def saved_activations(m: ModelConfig, r: int, t: int, tk: int, n: int, pm: ProgramModel,
-                      text_const: bool = True) -> float:
+                      text_const: bool = True, per_image: int | None = None) -> float:
     """Saved activations of a forward (for its backward) over r rows x t tokens (tk keys) and n patches,
     whole model, not sharded."""
     L, dd, d, b = m.text.num_hidden_layers, m.text.hidden_size, m.text.head_dim, _b(m)
@@ -338,12 +366,11 @@ def saved_activations(m: ModelConfig, r: int, t: int, tk: int, n: int, pm: Progr
     if pm.remat == "none":
         out = L * _layer_saved(m, r, t, tk, pm)
         if n:
-            out += v.depth * _block_saved(m, n, pm)
+            out += _blocks_saved(m, n, pm, per_image or (n // r if r else None))
     else:  # layer inputs, rotary tables and masks once
         out = L * r * t * dd * b + 2 * r * t * d * b + (r * t * tk if pm.attention == "dense" else 0)
         if n:
-            out += v.depth * n * v.hidden_size * b + 2 * n * v.head_dim * _F32 + (n * n if pm.attention == "dense"
-                                                                                    else 0)
+            out += v.depth * n * v.hidden_size * b + 2 * n * v.head_dim * _F32
     if text_const:
         out += _text_const(m, r, t, vision=n > 0)
     if n:
@@ -356,7 +383,7 @@ def _one_layer_saved(m: ModelConfig, r: int, t: int, tk: int, n: int, pm: Progra
     if pm.remat == "none":
         return 0.0
     full = ProgramModel(pm.attention, "none", pm.prefill_chunk)
-    return max(_layer_saved(m, r, t, tk, full), _block_saved(m, n, full) if n else 0.0)
+    return max(_layer_saved(m, r, t, tk, full), _block_saved(m, n, full, n // r if r else None, True) if n else 0.0)
 
 
 def _layer_temp(m: ModelConfig, r: int, t: int, tk: int, pm: ProgramModel) -> float:
@@ -368,14 +395,14 @@ def _layer_temp(m: ModelConfig, r: int, t: int, tk: int, pm: ProgramModel) -> fl
 
 
 def _block_temp(m: ModelConfig, n: int, pm: ProgramModel, segment: int | None = None) -> float:
-    """Transient working set of one vision block's forward over n patches (attention over ``segment``
-    patches at a time if given, else one dense mask over all n)."""
+    """Transient working set of one vision block's forward over n patches, attending within segments of
+    ``segment`` patches (one image at full-attention blocks, the largest case; default: all n)."""
     if n <= 0:
         return 0.0
     v, b = m.vision, _b(m)
     dv, fv, hv = v.hidden_size, v.intermediate_size, v.num_heads
-    s = n if segment is None else segment
-    att = hv * s * s * (2 * _F32 + b) if pm.attention == "dense" else hv * n * _F32 + n * dv * _F32
+    s = n if segment is None else min(segment, n)
+    att = hv * n * s * (2 * _F32 + b) if pm.attention == "dense" else hv * n * _F32 + n * dv * _F32
     return n * (3 * fv + 6 * dv) * b + att
 
 
@@ -534,10 +561,10 @@ def plan(cfg: Config, lengths: Lengths | None = None, devices: int | None = None
     n_mb = r_mb * patches
     naive_score = (2 * r_mb * t_full * x.hidden_size * b
                    + max(_layer_temp(m, r_mb, t_full, t_full, pm),
-                         _block_temp(m, n_mb, pm) + 2 * n_mb * v.hidden_size * b)
+                         _block_temp(m, n_mb, pm, patches) + 2 * n_mb * v.hidden_size * b)
                    ) / tp + r_mb * logits_row * (t_full * (_F32 + b) + Tr * 2 * _F32)
-    naive_train = (saved_activations(m, r_mb, t_full, t_full, n_mb, pm)
-                   + BWD_FACTOR * max(_layer_temp(m, r_mb, t_full, t_full, pm), _block_temp(m, n_mb, pm))
+    naive_train = (saved_activations(m, r_mb, t_full, t_full, n_mb, pm, per_image=patches)
+                   + BWD_FACTOR * max(_layer_temp(m, r_mb, t_full, t_full, pm), _block_temp(m, n_mb, pm, patches))
                    + _one_layer_saved(m, r_mb, t_full, t_full, n_mb, pm)) / tp \
         + r_mb * logits_row * (t_full * (2 * _F32 + b) + Tr * 2 * _F32) + grads
     naive_update = grads + 2 * P * _F32 / D
@@ -563,7 +590,8 @@ def plan(cfg: Config, lengths: Lengths | None = None, devices: int | None = None
     prefix_res = prefix_residual_bytes(m, Bp, Tp, Tv, pm, tp=tp, weight_shards=mesh.weight_shards,
                                        vision=vision_in_prefix) if residuals else 0.0
     prefix_fwd_tmp = (2 * Bp * Tp * x.hidden_size * b
-                      + max(_layer_temp(m, Bp, Tp, Tp, pm), _block_temp(m, nv, pm) + 2 * nv * v.hidden_size * b)) / tp
+                      + max(_layer_temp(m, Bp, Tp, Tp, pm),
+                            _block_temp(m, nv, pm, patches) + 2 * nv * v.hidden_size * b)) / tp
     r_s = r_mb  # answer rows per micro-batch per device
     suffix_score = (2 * r_s * Tr * x.hidden_size * b + _layer_temp(m, r_s, Tr, Tp + Tr, pm)) / tp \
         + r_s * logits_row * Tr * (_F32 + b + 2 * _F32)
@@ -571,9 +599,9 @@ def plan(cfg: Config, lengths: Lengths | None = None, devices: int | None = None
                     + BWD_FACTOR * _layer_temp(m, r_s, Tr, Tp + Tr, pm)
                     + _one_layer_saved(m, r_s, Tr, Tp + Tr, 0, pm)) / tp \
         + r_s * logits_row * Tr * (2 * _F32 + b + 2 * _F32)
-    prefix_bwd = (BWD_FACTOR * max(_layer_temp(m, Bp, Tp, Tp, pm), _block_temp(m, nv, pm))
+    prefix_bwd = (BWD_FACTOR * max(_layer_temp(m, Bp, Tp, Tp, pm), _block_temp(m, nv, pm, patches))
                   + _one_layer_saved(m, Bp, Tp, Tp, nv, pm)) / tp
-    recompute_saved = 0.0 if residuals else saved_activations(m, Bp, Tp, Tp, nv, pm) / tp
+    recompute_saved = 0.0 if residuals else saved_activations(m, Bp, Tp, Tp, nv, pm, per_image=patches) / tp
     rollplex_train = recompute_saved + max(suffix_train, prefix_bwd) + one_kv + grads
     emb = 0.0 if vision_in_prefix else Bp * Tv * x.hidden_size * b
     offload = policy == "offload"
@@ -595,7 +623,7 @@ def plan(cfg: Config, lengths: Lengths | None = None, devices: int | None = None
     rp["rollout"]["activations"] = engine_tmp + prefix_fwd_tmp
     rp["score"]["activations"] = suffix_score if use_ref else 0.0
     rp["train"]["activations"] = rollplex_train
-    rp["update"]["activations"] = grads + 2 * P * _F32 / D / chunks
+    rp["update"]["activations"] = grads + 2 * P * _F32 / D / (chunks if offload else 1)  # resident: one chunk
 
     actor_how = ("keeps its vjp residuals (incl. a copy of the linear weights: jit outputs never alias "
                  "non-donated inputs)" if residuals else "is recomputed in the update (only its boundary KV is kept)")

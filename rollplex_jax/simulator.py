@@ -130,27 +130,25 @@ def text_forward(cfg: Config, rows: float, t: float, past: float, logits_tokens:
 
 def vision_forward(cfg: Config, images: float, patches_per_image: float, pm: ProgramModel, saved: bool = False,
                    per_call_images: float | None = None) -> Cost:
-    """Vision tower over ``images`` images of n patches; dense programs attend over every patch of the call."""
+    """Vision tower over ``images`` images of n patches (``per_call_images`` is kept for callers; attention is
+    per window / per image in every program model)."""
     if images <= 0 or patches_per_image <= 0:
         return Cost()
     v, b = cfg.model.vision, _B[cfg.model.dtype]
     n = patches_per_image
     total = images * n
-    call = (per_call_images if per_call_images is not None else images) * n
-    if pm.attention == "dense":
-        s = call
-    else:  # windowed blocks attend within a window, full-attention blocks within the image
-        win = (v.window_size // v.patch_size) ** 2
-        full = len(v.fullatt_block_indexes)
-        s = (full * n + (v.depth - full) * min(n, win)) / v.depth
+    # Windowed blocks attend within a window, full-attention blocks within the image (both program
+    # models: today's programs gather each segment and attend densely within it, vision.py).
+    win = (v.window_size // v.patch_size) ** 2
+    full = len(v.fullatt_block_indexes)
+    s = (full * n + (v.depth - full) * min(n, win)) / v.depth
     unit = v.spatial_merge_size**2
     mm = v.hidden_size * unit
     flops = total * v.depth * (2 * _vision_linear_block(cfg) + 4 * v.hidden_size * s) \
         + (total / unit) * 2 * (mm * mm + mm * v.out_hidden_size)
     ew = total * v.depth * (10 * v.hidden_size + 4 * v.intermediate_size) * b
     if pm.attention == "dense":
-        calls = max(1.0, total / call)
-        ew += calls * v.depth * v.num_heads * call * call * (ATT_FWD + (ATT_SAVED if saved else 0))
+        ew += total * v.depth * v.num_heads * s * (ATT_FWD + (ATT_SAVED if saved else 0))
     return Cost(flops, ew, v.depth * OPS_PER_LAYER + 8)
 
 

@@ -40,7 +40,9 @@ def _config(tmp_path, name, freeze=False, mini=1, **run) -> Config:
         rl=RlConfig(batch_prompts=2, micro_batch=4, kl_mode="loss", kl_coef=0.1,
                     reward="tests.reward_fns:length_parity",
                     mini_batches=mini),
-        optim=OptimConfig(lr=3e-3, freeze_vision=freeze),
+        # eps 1e-6 (AdamW's default 1e-8 turns gradient components of ~1e-7, pure fp32 rounding noise here,
+        # into lr-sized steps: the final-params comparison would test that amplification, not the schedule).
+        optim=OptimConfig(lr=3e-3, eps=1e-6, freeze_vision=freeze),
         run=RunConfig(workdir=str(tmp_path / name), steps=3, progress=False, **run),
     )
 

@@ -154,6 +154,8 @@ class VisionLayout:
     full_segment: np.ndarray  # [U] int32, frame id of each (reordered) unit
     window_segment: np.ndarray  # [U] int32, window id of each (reordered) unit
     rot_pos: np.ndarray  # [N, 2] int32 (h, w) of each patch, in reordered patch order
+    window_gather: np.ndarray  # [n_windows, S_w] int32 reordered unit indices of each window, padded with U
+    frame_gather: np.ndarray  # [n_frames, S_f] int32 reordered unit indices of each frame, padded with U
 
     def arrays(self) -> dict[str, np.ndarray]:
         return dataclasses.asdict(self)
@@ -188,13 +190,32 @@ def vision_layout(grid_thw: np.ndarray, cfg: VisionConfig) -> VisionLayout:
         offset += t * gh * gw
         n_frames += t
     window_index = np.concatenate(window_index).astype(np.int32)
+    full_segment = np.concatenate(frame_seg).astype(np.int32)
+    window_segment = np.concatenate(window_seg).astype(np.int32)
     return VisionLayout(
         window_index=window_index,
         reverse_index=np.argsort(window_index).astype(np.int32),
-        full_segment=np.concatenate(frame_seg).astype(np.int32),
-        window_segment=np.concatenate(window_seg).astype(np.int32),
+        full_segment=full_segment,
+        window_segment=window_segment,
         rot_pos=np.concatenate(rot).astype(np.int32),
+        window_gather=segment_gather(window_segment),
+        frame_gather=segment_gather(full_segment),
     )
+
+
+def segment_gather(segment: np.ndarray) -> np.ndarray:
+    """[n_segments, longest] indices of each run of equal ids in ``segment`` (runs are contiguous in the
+    window-reordered order), padded with ``len(segment)``: attention runs per segment, not over one dense
+    [N, N] mask, so its cost is sum of squared segment sizes (padded to the longest) instead of N^2."""
+    seg = np.asarray(segment)
+    starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+    lens = np.diff(np.r_[starts, len(seg)])
+    if len(np.unique(seg)) != len(starts):
+        raise ValueError("segment ids must form contiguous runs")
+    out = np.full((len(starts), int(lens.max())), len(seg), np.int32)
+    for i, (a, n) in enumerate(zip(starts, lens, strict=True)):
+        out[i, :n] = np.arange(a, a + n)
+    return out
 
 
 def vision_cos_sin(rot_pos: jnp.ndarray, cfg: VisionConfig) -> tuple[jnp.ndarray, jnp.ndarray]:

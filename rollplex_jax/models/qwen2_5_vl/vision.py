@@ -5,8 +5,10 @@ SwiGLU blocks whose attention is restricted to a window (or to the whole frame
 at ``fullatt_block_indexes``), axial 2-D rotary positions, and the 2x2 patch
 merger into the language model's width, then the reordering undone.
 
-Attention segments are expressed as equality of segment ids (a dense mask):
-exact, and simple to shard; a block-sparse kernel is a later optimisation.
+Attention runs per segment (a window, or a whole frame at full-attention blocks): the
+patches of each segment are gathered into a [segments, longest, ...] block (shorter ones
+padded and masked), attended, and scattered back, so the cost is the sum of squared segment
+sizes, not the square of all patches of the call (which grows with the square of the batch).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ _ACTS = {
 }
 
 
-def _attention(p: dict, prefix: str, x, cos, sin, segment, cfg: VisionConfig):
-    """Bidirectional attention of x [N, D] within equal ``segment`` ids [N]."""
+def _attention(p: dict, prefix: str, x, cos, sin, gather, cfg: VisionConfig):
+    """Bidirectional attention of x [N, D] within each segment: ``gather`` [S, L] holds each segment's
+    patch indices, padded with values >= N (masked as keys, dropped as outputs)."""
     n = x.shape[0]
     qkv = linear(x, p[prefix + "qkv.weight"], p[prefix + "qkv.bias"])
     q, k, v = jnp.moveaxis(qkv.reshape(n, 3, cfg.num_heads, cfg.head_dim), 1, 0)
@@ -35,17 +38,19 @@ def _attention(p: dict, prefix: str, x, cos, sin, segment, cfg: VisionConfig):
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
     q = (qf * c + rotate_half(qf) * s).astype(x.dtype)
     k = (kf * c + rotate_half(kf) * s).astype(x.dtype)
-    scores = jnp.einsum("qhd,khd->hqk", q, k) * (cfg.head_dim**-0.5)
-    mask = segment[:, None] == segment[None, :]
-    scores = jnp.where(mask[None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    valid = gather < n
+    idx = jnp.minimum(gather, n - 1)
+    scores = jnp.einsum("sqhd,skhd->shqk", q[idx], k[idx]) * (cfg.head_dim**-0.5)
+    scores = jnp.where(valid[:, None, None, :], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("hqk,khd->qhd", probs, v).reshape(n, -1)
+    out = jnp.einsum("shqk,skhd->sqhd", probs, v[idx]).reshape(*gather.shape, -1)
+    out = jnp.zeros((n, out.shape[-1]), x.dtype).at[jnp.where(valid, gather, n)].set(out, mode="drop")
     return linear(out, p[prefix + "proj.weight"], p[prefix + "proj.bias"])
 
 
-def _block(p: dict, i: int, x, cos, sin, segment, cfg: VisionConfig):
+def _block(p: dict, i: int, x, cos, sin, gather, cfg: VisionConfig):
     pre = f"visual.blocks.{i}."
-    x = x + _attention(p, pre + "attn.", rms_norm(x, p[pre + "norm1.weight"], 1e-6), cos, sin, segment, cfg)
+    x = x + _attention(p, pre + "attn.", rms_norm(x, p[pre + "norm1.weight"], 1e-6), cos, sin, gather, cfg)
     h = rms_norm(x, p[pre + "norm2.weight"], 1e-6)
     act = _ACTS[cfg.hidden_act]
     gate = act(linear(h, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.gate_proj.bias"]))
@@ -71,12 +76,16 @@ def vision_forward(params: dict, cfg: VisionConfig, pixel_values, layout: dict) 
     n, d = x.shape
     x = x.reshape(n // unit, unit, d)[layout["window_index"]].reshape(n, d)
     cos, sin = vision_cos_sin(jnp.asarray(layout["rot_pos"]), cfg)
-    full_seg = jnp.repeat(jnp.asarray(layout["full_segment"]), unit)
-    win_seg = jnp.repeat(jnp.asarray(layout["window_segment"]), unit)
+    full, win = _patch_gather(layout["frame_gather"], unit), _patch_gather(layout["window_gather"], unit)
     for i in range(cfg.depth):
-        seg = full_seg if i in cfg.fullatt_block_indexes else win_seg
-        x = _block(params, i, x, cos, sin, seg, cfg)
+        x = _block(params, i, x, cos, sin, full if i in cfg.fullatt_block_indexes else win, cfg)
     return merger(params, cfg, x)[layout["reverse_index"]]
+
+
+def _patch_gather(unit_gather, unit: int):
+    """Merge-unit indices [S, L] -> patch indices [S, L * unit] (padding stays out of range)."""
+    g = jnp.asarray(unit_gather)
+    return (g[..., None] * unit + jnp.arange(unit, dtype=g.dtype)).reshape(g.shape[0], -1)
 
 
 def merger(params: dict, cfg: VisionConfig, x) -> jax.Array:
