@@ -101,7 +101,7 @@ materialise attention scores, which is why the default plans the programs a GPU 
 
 Naive colocation vs the paper's "about 165 GiB per GPU" (Qwen2.5-VL-32B, 32 x H800): with
 ``configs/qwen2_5_vl_32b_h800x32.flags`` this planner gives about 86 GiB (dense attention with
-per-layer recompute: about 110 GiB). The numbers are not tuned to match; the gap is in assumptions
+per-layer recompute: about 100 GiB). The numbers are not tuned to match; the gap is in assumptions
 the paper does not state: we shard the fp32 master weights and Adam moments over all 32 GPUs
 (distributed optimizer; sharded over the TP group only they are 46.7 GiB instead of 11.7: +35 GiB),
 keep gradients in bf16 (Megatron's fp32 main-grad buffers: +7.8 GiB), count the rollout KV cache of
