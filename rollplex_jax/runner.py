@@ -173,12 +173,15 @@ class Runner:
         bar = None
         if self.cfg.run.progress and target > self.step:
             from tqdm import tqdm
-            bar = tqdm(total=target - self.step, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stderr)
+            tty = sys.stderr.isatty()  # in a log file (SLURM, make demo > log) one line per 30 s, not per step
+            bar = tqdm(total=target - self.step, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stderr,
+                       mininterval=0.1 if tty else 30.0, maxinterval=10.0 if tty else 60.0)
         try:
             while self.step < target and not self._stop_requested:
                 metrics = self.train_step()
                 if bar is not None:
-                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}")
+                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}",
+                                    refresh=False)
                     bar.update(1)
                 yield metrics
         finally:
