@@ -141,16 +141,6 @@ def cpu_preset(cal: dict) -> Hardware:
         calibration=dict(cal), **CPU_FITTED)
 
 
-def _timeit(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _median_time(fn, reps: int) -> float:
     fn()
     ts = []

@@ -115,7 +115,6 @@ def temp_bytes(fn, *args) -> int:
 
 @dataclasses.dataclass
 class PhaseRecord:
-    peak_bytes: int = 0
     by_class: dict[str, int] = dataclasses.field(default_factory=dict)
     activations: int = 0
     backend_peak: int | None = None
@@ -135,7 +134,6 @@ class MemoryMeter:
         self.engine_bytes = engine_bytes or (lambda: 0)
         self._temps: dict[tuple, int] = {}
         self._phases: dict[str, PhaseRecord] = {}
-        self.history: list[dict[str, PhaseRecord]] = []
 
     def _record(self, phase: str) -> PhaseRecord:
         if phase not in PHASES:
@@ -190,9 +188,7 @@ class MemoryMeter:
         for phase, rec in self._phases.items():
             by_class = dict(rec.by_class)
             by_class["activations"] = by_class.get("activations", 0) + rec.activations
-            rec.peak_bytes = sum(by_class.values())
-            rec.by_class = by_class
-            out[f"memory/{phase}_peak_bytes"] = float(rec.peak_bytes)
+            out[f"memory/{phase}_peak_bytes"] = float(sum(by_class.values()))
             for cls, n in by_class.items():
                 out[f"memory/{phase}/{cls}_bytes"] = float(n)
             out[f"memory/{phase}_unattributed_bytes"] = float(rec.unattributed)
@@ -200,7 +196,6 @@ class MemoryMeter:
                 out["memory/update_undonated_bytes"] = float(rec.undonated)
             if rec.backend_peak is not None:
                 out[f"memory/{phase}_backend_peak_bytes"] = float(rec.backend_peak)
-        self.history.append(self._phases)
         self._phases = {}
         return out
 
@@ -219,7 +214,7 @@ def undonated_bytes(old: dict) -> int:
     checkpoint's host copy, or a user's numpy view in a notebook. The result is still exact; the
     cost is memory, which this counts.
     """
-    return device_bytes({k: a for k, a in old.items() if isinstance(a, jax.Array) and not a.is_deleted()})
+    return device_bytes(old)  # donated (deleted) buffers count 0
 
 
 def peak_row(history: list[dict]) -> dict[str, float]:

@@ -29,7 +29,7 @@ from rollplex_jax.config import Config, ConfigError
 from rollplex_jax.data import dataset as data_lib
 from rollplex_jax.data import synthetic
 from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
-from rollplex_jax.memory import MemoryMeter, plot_memory
+from rollplex_jax.memory import MemoryMeter, peak_row, plot_memory
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
 from rollplex_jax.models.qwen2_5_vl.params import init_params, params_sha256
 from rollplex_jax.programs.actor import make_programs
@@ -302,8 +302,7 @@ class Runner:
     def memory_report(self) -> dict:
         """Measured peak per phase (max over the steps run), and for the rollplex schedule the planner's
         prediction for this run next to it (``planned_over_measured``)."""
-        peaks = {k: max(h.get(k, 0.0) for h in self.history) for h in self.history[-1:] for k in h
-                 if k.startswith("memory/") and k.endswith("_peak_bytes")} if self.history else {}
+        peaks = {k: v for k, v in peak_row(self.history).items() if k.endswith("_peak_bytes")}
         out = {"optimizer_policy": self.optimizer_policy, "hbm_budget_bytes": self.cfg.memory.budget_bytes,
                "measured_peak_bytes": {k.split("/")[1][:-len("_peak_bytes")]: int(v) for k, v in peaks.items()}}
         if peaks and self.cfg.run.schedule == "rollplex":

@@ -66,14 +66,12 @@ def _mark_chunk(ctx: StepContext, params, opt_state, ref_params, grads, held: di
                    master_weights=(opt_state.master, live["master"]), **held)
 
 
-def _mark(ctx: StepContext, phase: str, params, opt_state, ref_params, ops=None, grads=None, **extra) -> None:
+def _mark(ctx: StepContext, phase: str, params, opt_state, ref_params, ops=None, grads=None) -> None:
     """Records what is live at the end of ``phase``, by buffer class (memory_classes.py)."""
     if ctx.meter is None:
         return
-    opt = {"optimizer_state": opt_state.chunks, "master_weights": opt_state.master} \
-        if hasattr(opt_state, "chunks") else {"optimizer_state": opt_state}
-    ctx.meter.mark(phase, compute_weights=params, ref_weights=ref_params, **opt, gradients=grads,
-                   **(ops.live() if ops is not None else {}), **extra)
+    ctx.meter.mark(phase, compute_weights=params, ref_weights=ref_params, optimizer_state=opt_state.chunks,
+                   master_weights=opt_state.master, gradients=grads, **(ops.live() if ops is not None else {}))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,8 +126,7 @@ class ChunkedOptimizer:
                 {k: v.astype(jnp.float32) for k, v in p.items()}
             chunks.append(self.tx.init(p if isinstance(master, optax.EmptyState) else master))
             masters.append(master)
-        state = OptState(tuple(chunks), tuple(masters))
-        return memory.to_host(state) if self.offload else state
+        return self.place(OptState(tuple(chunks), tuple(masters)))
 
     def place(self, state: OptState) -> OptState:
         """Puts a state (e.g. a restored checkpoint) where this optimizer keeps it between updates."""
