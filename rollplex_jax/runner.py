@@ -10,6 +10,7 @@ Each phase is one call into ``scheduler``; this module only wires them and write
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,6 +24,7 @@ import numpy as np
 
 from rollout_torch.engine import Rollouts
 from rollout_torch.hf_engine import HFEngine
+from rollplex_jax import mesh as mesh_lib
 from rollplex_jax import outputs, planner, scheduler
 from rollplex_jax.checkpoint import Checkpointer
 from rollplex_jax.config import Config, ConfigError
@@ -71,14 +73,21 @@ class Runner:
             _, params = load_hf_checkpoint(cfg.run.model_dir, dtype=cfg.model.dtype)
         else:
             params = init_params(cfg.model, jax.random.key(cfg.run.seed))
-        ref = {k: jnp.array(v, copy=True) for k, v in params.items()}  # own buffers: never donated
         _check_mesh(cfg)
+        self.mesh = mesh_lib.train_mesh(cfg.mesh) if cfg.mesh.train_devices > 1 else None
+        if self.mesh is not None:  # actor and reference on the training mesh (mesh.py: the rules)
+            self.shardings = mesh_lib.param_shardings(cfg.model, self.mesh)
+            params, ref = mesh_lib.place(params, self.shardings), mesh_lib.place(params, self.shardings)
+        else:
+            ref = {k: jnp.array(v, copy=True) for k, v in params.items()}  # own buffers: never donated
         self.lengths = _data_lengths(cfg, self.train_set)
         self.optimizer_policy = _optimizer_policy(cfg, self.lengths, self.log)
         offload = self.optimizer_policy == "offload"
         self.programs = make_programs(cfg.model, cfg.rl, cfg.optim, cfg.run.steps, offload_optimizer=offload,
                                       optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1)
-        self.state = scheduler.TrainState(params, self.programs.optimizer.init(params), ref)
+        with self.mesh_scope():
+            self.state = scheduler.TrainState(params, self.programs.optimizer.init(params), ref)
+        self.check_sharding()
         self.engine = self._engine()
         self.meter = MemoryMeter(cfg.memory.measure_memory, engine_bytes=self._engine_own_bytes)
         reward = RewardRunner(resolve_reward_fn(cfg.rl.reward), timeout_s=cfg.rl.reward_timeout_s,
@@ -109,6 +118,7 @@ class Runner:
                               "--resume to continue that run, or choose another --workdir")
         if latest is not None:
             self._restore(latest)
+            self.check_sharding()
         elif cfg.run.resume:
             self.log(f"resume: no checkpoint in {self.checkpointer.directory}; starting from step 0")
         self.writer = outputs.MetricsWriter(self.workdir, keep_steps=self.step)
@@ -129,6 +139,21 @@ class Runner:
         self.log(f"resume: continuing from the checkpoint of step {self.step} in {self.checkpointer.directory}")
 
     # --- setup helpers -----------------------------------------------------------------------------
+    def mesh_scope(self):
+        """The training mesh as the context of program calls (activation constraints resolve against it);
+        a null context on one device."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def check_sharding(self) -> None:
+        """Startup check: actor, reference and optimizer state are sharded as the mesh and rules say."""
+        if self.mesh is None:
+            return
+        s = self.state
+        mesh_lib.check_sharded(s.params, self.shardings, "actor params")
+        mesh_lib.check_sharded(s.ref_params, self.shardings, "reference params")
+        mesh_lib.check_sharded(mesh_lib.per_param_leaves(s.opt_state, self.shardings), self.shardings,
+                               "optimizer state tensors")
+
     def _load(self, split: str, path: str, n: int, seed: int):
         d = self.cfg.data
         if not path:
@@ -194,8 +219,9 @@ class Runner:
         prompts = data_lib.collate(batch, self.tokenizer.pad_id)
         seed = self._seed(self.step)
         step_fn = scheduler.rollplex_step if self.cfg.run.schedule == "rollplex" else scheduler.serial_step
-        result = step_fn(self.ctx, self.state, prompts, [e.answer for e in batch], seed=seed, step=self.step,
-                         tracer=self.tracer)
+        with self.mesh_scope():
+            result = step_fn(self.ctx, self.state, prompts, [e.answer for e in batch], seed=seed, step=self.step,
+                             tracer=self.tracer)
         self.state, self.last, self.last_prompts = result.state, result, batch
         self.step += 1
         metrics = dict(result.metrics)
@@ -462,10 +488,14 @@ def config_from_flagfile(path: str | os.PathLike, **overrides) -> Config:
 
 def _check_mesh(cfg: Config) -> None:
     m = cfg.mesh
-    if m.train_devices != 1 or m.rollout_tp != 1:
-        raise ConfigError(f"--train_fsdp={m.train_fsdp} --train_tp={m.train_tp} --rollout_tp={m.rollout_tp}: sharded "
-                          "training and rollout are not built yet (runs are single-device); `python -m launch.plan` "
-                          "plans such a run's memory. Use 1 for all three to train.")
+    if m.train_devices > jax.device_count():
+        raise ConfigError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} needs {m.train_devices} devices but "
+                          f"{jax.device_count()} are visible (on CPU: XLA_FLAGS="
+                          f"--xla_force_host_platform_device_count={m.train_devices})")
+    if m.rollout_tp != 1:
+        raise ConfigError(f"--rollout_tp={m.rollout_tp}: the in-process rollout engines decode on one device (the "
+                          "transformers engine has no tensor parallelism; a TP vLLM engine needs GPUs); `python -m "
+                          "launch.plan` classifies the weight sharing of such a layout. Use --rollout_tp=1 to train.")
 
 
 def _data_lengths(cfg: Config, examples) -> planner.Lengths:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
@@ -31,3 +32,18 @@ def rotate_half(x: jax.Array) -> jax.Array:
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotary embedding on x [..., T, H, hd] with tables [..., T, hd] (broadcast over heads)."""
     return x * cos[..., None, :] + rotate_half(x) * sin[..., None, :]
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+    """Activation constraint at a block boundary: rows (dim 0) split over the mesh axis ``fsdp`` (data
+    parallel), every other dimension replicated (so over ``tp`` the residual stream is whole).
+
+    A no-op without a mesh in context (``jax.set_mesh``; single-device runs), on a mesh without an
+    ``fsdp`` axis > 1, or when ``fsdp`` does not divide the rows (GSPMD then chooses)."""
+    m = jax.sharding.get_abstract_mesh()
+    if m.empty or "fsdp" not in m.axis_names:
+        return x
+    n = m.shape["fsdp"]
+    if n == 1 or x.shape[0] % n:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec("fsdp"))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from rollplex_jax.config import ModelConfig, TextConfig
-from rollplex_jax.models.qwen2_5_vl.layers import apply_rope, linear, rms_norm
+from rollplex_jax.models.qwen2_5_vl.layers import apply_rope, constrain_rows, linear, rms_norm
 
 
 class KVSource(NamedTuple):
@@ -85,6 +85,7 @@ def decoder_layer(p: dict, layer: int, h: jax.Array, cos, sin, extra: list[KVSou
       (h_out [B, N, T, D], (k, v) of this block [B, N, T, K, d]).
     """
     pre = f"model.layers.{layer}."
+    h = constrain_rows(h)
     x = rms_norm(h, p[pre + "input_layernorm.weight"], cfg.rms_norm_eps)
     q, k, v = qkv_projection(p, layer, x, cos, sin, cfg)
     a = attend(q, list(extra) + [KVSource(k, v, self_mask)], cfg.num_key_value_heads)

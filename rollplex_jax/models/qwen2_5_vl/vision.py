@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from rollplex_jax.config import VisionConfig
-from rollplex_jax.models.qwen2_5_vl.layers import linear, rms_norm, rotate_half
+from rollplex_jax.models.qwen2_5_vl.layers import constrain_rows, linear, rms_norm, rotate_half
 from rollplex_jax.models.qwen2_5_vl.rope import vision_cos_sin
 
 _ACTS = {
@@ -50,6 +50,7 @@ def _attention(p: dict, prefix: str, x, cos, sin, gather, cfg: VisionConfig):
 
 def _block(p: dict, i: int, x, cos, sin, gather, cfg: VisionConfig):
     pre = f"visual.blocks.{i}."
+    x = constrain_rows(x)
     x = x + _attention(p, pre + "attn.", rms_norm(x, p[pre + "norm1.weight"], 1e-6), cos, sin, gather, cfg)
     h = rms_norm(x, p[pre + "norm2.weight"], 1e-6)
     act = _ACTS[cfg.hidden_act]

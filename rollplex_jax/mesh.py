@@ -1,0 +1,135 @@
+"""Device meshes per role and the logical-axis rules that shard parameters and activations on them.
+
+Training (actor and reference): a 2-D mesh ``(fsdp, tp)`` over the first ``fsdp x tp`` devices.
+Every parameter names its logical axes (``models/qwen2_5_vl/params.py``); ``TRAIN_RULES`` maps
+them onto mesh axes, Megatron-style for TP (column-parallel q/k/v, gate/up and vision qkv/mlp split
+their output rows, row-parallel o/down split their input columns, the vocabulary is split) and
+ZeRO-3-style for FSDP (the model dimension of every matrix is split over ``fsdp``):
+
+| logical axis       | mesh axis | which tensors                                   |
+|--------------------|-----------|-------------------------------------------------|
+| vocab              | tp        | embed_tokens, lm_head rows                      |
+| q_heads, kv_heads  | tp        | q/k/v rows (+ biases), o_proj columns           |
+| mlp                | tp        | gate/up rows, down columns                      |
+| embed              | fsdp      | the model dimension of every text matrix        |
+| vision_qkv, vision_heads, vision_mlp, vision_merge_mlp | tp | vision tower, as the text |
+| vision_embed, vision_merge_in | fsdp | the vision model dimension            |
+| norm               | (none)    | norm weights are replicated                      |
+
+A dimension that a mesh axis does not divide is replicated over that axis instead (listed by
+``sharding_table`` so a user sees it). Activations: the residual stream is constrained at each
+block boundary to rows split over ``fsdp`` (data parallel) and replicated over ``tp``
+(``models/qwen2_5_vl/layers.constrain_rows``), when a mesh is set (``jax.set_mesh``, which the
+runner does around each step).
+The reference scores on the training mesh with the same rules.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from rollplex_jax.config import MeshConfig, ModelConfig
+from rollplex_jax.models.qwen2_5_vl.params import param_specs
+
+AXES = ("fsdp", "tp")
+TRAIN_RULES: dict[str, str | None] = {
+    "vocab": "tp", "q_heads": "tp", "kv_heads": "tp", "mlp": "tp", "embed": "fsdp",
+    "vision_qkv": "tp", "vision_heads": "tp", "vision_mlp": "tp", "vision_merge_mlp": "tp",
+    "vision_embed": "fsdp", "vision_merge_in": "fsdp", "norm": None,
+}
+
+
+class ShardingError(RuntimeError):
+    """Parameters are not sharded as the mesh and rules say they should be."""
+
+
+def train_mesh(m: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The ``(fsdp, tp)`` training mesh over the first fsdp x tp devices (all processes' devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = m.train_devices
+    if n > len(devices):
+        raise ValueError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} needs {n} devices but "
+                         f"{len(devices)} are visible; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+    grid = np.array(devices[:n], dtype=object).reshape(m.train_fsdp, m.train_tp)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def partition_spec(shape: Sequence[int], logical: Sequence[str | None], mesh: Mesh,
+                   rules: Mapping[str, str | None] = TRAIN_RULES) -> PartitionSpec:
+    """Mesh axis per dimension; a dimension the mesh axis does not divide (or of size-1 axis) stays whole."""
+    out = []
+    for dim, name in zip(shape, logical, strict=True):
+        axis = rules.get(name) if name is not None else None
+        if name is not None and name not in rules:
+            raise KeyError(f"logical axis {name!r} has no sharding rule (mesh.TRAIN_RULES)")
+        size = mesh.shape[axis] if axis is not None else 1
+        out.append(axis if size > 1 and dim % size == 0 else None)
+    return PartitionSpec(*out)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh,
+                    rules: Mapping[str, str | None] = TRAIN_RULES) -> dict[str, NamedSharding]:
+    """The NamedSharding of every parameter on ``mesh``."""
+    return {name: NamedSharding(mesh, partition_spec(shape, axes, mesh, rules))
+            for name, (shape, axes) in param_specs(cfg).items()}
+
+
+def place(params: Mapping[str, jax.Array], shardings: Mapping[str, NamedSharding]) -> dict[str, jax.Array]:
+    """``params`` laid out by ``shardings`` in buffers of their own: the output of a program, since
+    ``device_put`` lets a replicated shard on the source's device alias the source buffer (even with
+    ``may_alias=False``, jax 0.10), and two aliased trees die together when a program donates either."""
+    out_shardings = {k: shardings[k] for k in params}
+    return jax.jit(lambda t: t, out_shardings=out_shardings)(dict(params))
+
+
+def check_sharded(params: Mapping[str, jax.Array], shardings: Mapping[str, NamedSharding], what: str = "params",
+                  limit: int = 5) -> None:
+    """Raises ``ShardingError`` naming the parameters whose layout differs from the configured one."""
+    bad = []
+    for k, v in params.items():
+        want = shardings[k.split("#")[0]]
+        want = want.with_memory_kind(v.sharding.memory_kind) if v.sharding.memory_kind else want
+        if not v.sharding.is_equivalent_to(want, v.ndim):
+            bad.append(f"{k}: {_describe(v.sharding)} (configured {_describe(want)})")
+    if bad:
+        raise ShardingError(f"{len(bad)} {what} are not sharded as configured: " + "; ".join(bad[:limit])
+                            + (" ..." if len(bad) > limit else ""))
+
+
+def _describe(s) -> str:
+    return f"{s.spec} on mesh {dict(s.mesh.shape)}" if isinstance(s, NamedSharding) else f"{type(s).__name__}"
+
+
+def sharding_table(cfg: ModelConfig, mesh: Mesh) -> dict:
+    """Per mesh-axis pattern: tensors and bytes per device, and the tensors left whole by divisibility."""
+    rows: dict[str, dict] = {}
+    undivided = []
+    b = np.dtype(cfg.dtype).itemsize
+    for name, (shape, axes) in param_specs(cfg).items():
+        spec = partition_spec(shape, axes, mesh)
+        key = str(tuple(spec))
+        r = rows.setdefault(key, {"tensors": 0, "bytes_per_device": 0})
+        shards = math.prod(mesh.shape[a] for a in spec if a is not None)
+        r["tensors"] += 1
+        r["bytes_per_device"] += math.prod(shape) * b // shards
+        for dim, ax in zip(shape, axes, strict=True):
+            axis = TRAIN_RULES.get(ax) if ax else None
+            if axis and mesh.shape[axis] > 1 and dim % mesh.shape[axis]:
+                undivided.append(f"{name} dim {dim} ({ax}) over {axis}={mesh.shape[axis]}")
+    return {"mesh": dict(mesh.shape), "patterns": rows, "undivided": undivided}
+
+
+def per_param_leaves(tree, shardings: Mapping[str, NamedSharding]) -> dict[str, jax.Array]:
+    """The leaves of ``tree`` (e.g. an optimizer state) keyed by a parameter name in their path and shaped
+    like that parameter, named ``<param>#<n>`` (moments, master weights), for ``check_sharded``."""
+    out: dict[str, jax.Array] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and k.key in shardings]
+        if names and isinstance(leaf, jax.Array):
+            out[f"{names[-1]}#{len(out)}"] = leaf
+    return out
