@@ -38,6 +38,12 @@ readme-figures: $(STAMP)
 	test -f runs/demo/run_summary.json || $(MAKE) demo
 	$(BIN)/python -m launch.readme_figures --workdir=runs/demo --out=docs/images
 
+# Real SLURM (Debian's slurmctld/slurmd/munge, apt-installed when missing; needs root): a one-node cluster on
+# loopback runs launch/slurm/rollplex.sbatch with 2 tasks x 2 fake CPU devices; must equal one process x 4 devices.
+.PHONY: test-slurm
+test-slurm: $(STAMP)
+	PYTHON=$(CURDIR)/$(BIN)/python tests/slurm/check_training.sh
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 

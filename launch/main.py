@@ -15,9 +15,30 @@ from absl import app, flags, logging
 from launch import flags as launch_flags
 
 
+def define_distributed_flags() -> None:
+    """Process-level flags (not part of the run's config: they say where this process sits in the job)."""
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0's jax.distributed coordination service "
+                        "(with --num_processes and --process_id; under SLURM `srun` all three are auto-detected)")
+    flags.DEFINE_integer("num_processes", None, "number of processes of this jax.distributed job")
+    flags.DEFINE_integer("process_id", None, "this process's index in the job, 0 .. num_processes - 1")
+
+
+def start_distributed(fv) -> tuple[int, int]:
+    """Starts jax.distributed when the flags say so or a SLURM step with several tasks runs this process
+    (rollplex_jax/distributed.py); (process index, count). Must run before anything touches JAX devices."""
+    from rollplex_jax import distributed
+
+    try:
+        spec = distributed.detect(fv.coordinator_address, fv.num_processes, fv.process_id)
+    except distributed.DistributedError as e:
+        raise app.UsageError(str(e)) from None
+    return distributed.initialize(spec)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    start_distributed(flags.FLAGS)
     cfg = launch_flags.config_from_flags(flags.FLAGS)
     logging.set_verbosity(logging.WARNING)  # orbax/absl INFO lines would drown the progress bar
     from rollplex_jax.config import ConfigError
@@ -68,4 +89,5 @@ def main(argv):
 
 if __name__ == "__main__":
     launch_flags.define_flags()
+    define_distributed_flags()
     app.run(main)

@@ -92,6 +92,26 @@ def table(p, budget_line: str) -> str:
     return "\n".join(lines)
 
 
+def sharing_table(ws: dict) -> str:
+    """The weight-sharing classification (issue 7): counts, bytes and byte fractions per class, per device."""
+    from rollplex_jax import planner
+
+    c = ws["classification"]
+    if not c:
+        return ""
+    lines = ["", f"weight sharing ({c['layout']} layout, train mesh {c['train_mesh']}, rollout tp {c['rollout_tp']}, "
+             f"{c['replicas']} replicas on {c['devices']} devices, {c['placement']} placement):",
+             f"  {'class':<9}{'tensors':>9}{'GiB (all devices)':>19}{'fraction':>10}{'GiB/device (max)':>18}"]
+    for k in ("aligned", "view", "rebuilt"):
+        lines.append(f"  {k:<9}{c['counts'][k]:>9}{c['bytes'][k] / planner.GiB:>19.2f}{c['fractions'][k]:>10.1%}"
+                     f"{c['per_device_max'][k] / planner.GiB:>18.2f}")
+    lines.append(f"  extra (engine-owned) {planner.human_bytes(c['extra_bytes_per_device'])} per device vs "
+                 f"{planner.human_bytes(c['second_copy_bytes_per_device'])} for a second copy of the rollout shard "
+                 f"({c['extra_vs_second_copy']:.1%}); not held locally: "
+                 f"{planner.human_bytes(c['remote_bytes_per_device'])}")
+    return "\n".join(lines)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -124,6 +144,7 @@ def main(argv):
     if _FORMAT.value == "table":
         print(f"memory plan: {cfg.model.dtype}, {p.params.total:,} params, {p.devices} devices, per device")
         print(table(p, budget_line))
+        print(sharing_table(out["weight_sharing"]))
     print(json.dumps(out))
 
 

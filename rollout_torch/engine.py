@@ -25,6 +25,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    first_prompt: int = 0  # index of the first prompt of this call in the step's batch (per-answer seeds)
 
     def __post_init__(self):
         if self.temperature < 0:

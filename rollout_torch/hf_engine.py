@@ -3,21 +3,31 @@
 The torch model is built from our ``ModelConfig`` on the ``meta`` device (no weight
 memory, no download); ``bind`` then installs DLPack views of the actor's arrays as
 its parameters. The HF layout is our layout, so on one device every tensor is
-``aligned`` (100% shared, nothing rebuilt). Generation is transformers' own
-``generate`` (left padding, images and videos, M-RoPE), seeded per call.
+``aligned`` (100% shared, nothing rebuilt). Params sharded over a training mesh (e.g. fsdp=4)
+are accepted too: the engine (no tensor parallelism, rollout_tp=1) runs on the mesh's first
+device; replicated params are aligned views of that device's shard, sharded ones are rebuilt
+(engine-owned full tensors, gathered from the shards and refilled in place on every bind).
+Generation is transformers' own ``generate`` (left padding, images and videos, M-RoPE); each answer is
+sampled from its own seeded generator (``SeededSampler``), whatever rows share its batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+)
 
 from rollout_torch.engine import Prompts, Rollouts, SamplingParams, items_per_row
-from rollout_torch.weights import SharingReport, TensorSpec, WeightBinder
+from rollout_torch.weights import ShardedBinder, SharingReport, TensorSpec
 from rollplex_jax.config import ModelConfig
 from rollplex_jax.models.qwen2_5_vl.names import normalize_name
 
@@ -55,10 +65,6 @@ def _set_param(model, name: str, tensor: torch.Tensor) -> None:
         mod._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
-class _Nbytes(NamedTuple):
-    nbytes: int
-
-
 class HFEngine:
     """transformers Qwen2.5-VL generation over DLPack views of the actor's parameters."""
 
@@ -66,17 +72,35 @@ class HFEngine:
         self.cfg = cfg
         self.max_batch = max_batch
         self.model = _build_meta_model(cfg)
-        self.binder = WeightBinder(_specs(self.model, cfg))
+        self.specs = _specs(self.model, cfg)
+        self.binder: ShardedBinder | None = None
+        self._plan = None
+        self._plan_key = None
         self._bound = False
 
     # --- weights ---------------------------------------------------------------------------------
-    def bind(self, params: Mapping[str, Any]) -> None:
-        """Installs views of ``params`` (the actor's current arrays) as the model's parameters."""
+    def bind(self, params: Mapping[str, Any], plan: Any = None) -> None:
+        """Installs views of ``params`` (the actor's current arrays, possibly sharded) as the model's parameters.
+
+        ``plan``: a ``rollplex_jax.sharing.SharingPlan`` for these arrays (default: derived from their
+        shardings, once per layout; the engine rank is device position 0, the mesh's first device).
+        Rebuilt buffers keep their storage across binds while the layout is unchanged.
+        """
+        from rollplex_jax import sharing  # the JAX side: shardings -> boxes and shards (rollout_torch stays JAX-free)
+
         if self._bound:
             self.release()
-        self._sizes = {s: _Nbytes(int(params[s].nbytes)) for spec in self.binder.specs for s in spec.sources}
-        for name, t in self.binder.bind(params).items():
+        key = tuple((k, tuple(v.shape), str(v.dtype), getattr(v, "sharding", None)) for k, v in params.items())
+        if plan is not None or key != self._plan_key:
+            layout = [sharing.EngineTensor(s.target, s.sources) for s in self.specs]
+            self._plan = plan or sharing.plan_for_params(params, layout, 1, positions=[0], layout_name="hf")
+            if 0 not in self._plan.ranks:
+                raise ValueError("the HF engine binds device position 0; the plan has no rank there")
+            self.binder, self._plan_key = ShardedBinder({0: self._plan.ranks[0]}), key
+        tensors = self.binder.bind(sharing.device_shards(params))[0]
+        for name, t in tensors.items():
             _set_param(self.model, name, t)
+        del tensors
         self.device = self.model.lm_head.weight.device
         for _, buf_owner in self.model.named_modules():  # rotary tables follow the weights' device
             for key, buf in list(buf_owner._buffers.items()):
@@ -86,23 +110,25 @@ class HFEngine:
 
     def release(self) -> None:
         """Replaces every bound parameter by a meta placeholder and checks no view survives."""
-        for spec in self.binder.specs:
+        for spec in self.specs:
             p = self.model.get_parameter(spec.target)
             shape, dtype = p.shape, p.dtype
             del p  # a local reference would count as a live view
             _set_param(self.model, spec.target, torch.empty(shape, dtype=dtype, device="meta"))
         self._bound = False
-        self.binder.release()
+        if self.binder is not None:
+            self.binder.release()
 
     def sharing_report(self) -> SharingReport:
-        """Counts and bytes per class as of the last bind (on one device: everything aligned)."""
-        if not hasattr(self, "_sizes"):
+        """Counts and bytes per class as of the last bind (on one device: everything aligned), with the
+        per-device classification (``details``)."""
+        if self.binder is None:
             raise RuntimeError("sharing_report() needs a bind() first")
-        return self.binder.report(self._sizes)
+        return self.binder.report(details=self._plan.report(positions=[0]))
 
     def bound_tensors(self) -> dict[str, torch.Tensor]:
         """The engine's current parameter tensors by checkpoint name (for checks)."""
-        return {normalize_name(s.target): self.model.get_parameter(s.target) for s in self.binder.specs}
+        return {normalize_name(s.target): self.model.get_parameter(s.target) for s in self.specs}
 
     # --- generation --------------------------------------------------------------------------------
     def generate(self, prompts: Prompts, n: int, sampling: SamplingParams) -> Rollouts:
@@ -110,9 +136,9 @@ class HFEngine:
         if not self._bound:
             raise RuntimeError("HFEngine.generate called before bind(params)")
         rows = np.repeat(np.arange(prompts.batch_size), n)
-        chunks = [rows[i:i + self.max_batch] for i in range(0, len(rows), self.max_batch)]
-        outs = [self._generate_rows(prompts, r, sampling, seed=sampling.seed * 1_000_003 + i)
-                for i, r in enumerate(chunks)]
+        chunks = [slice(i, i + self.max_batch) for i in range(0, len(rows), self.max_batch)]
+        seeds = answer_seeds(sampling.seed, sampling.first_prompt, prompts.batch_size, n)
+        outs = [self._generate_rows(prompts, rows[c], sampling, seeds[c]) for c in chunks]
         t = max(o[0].shape[1] for o in outs)
         ids = np.concatenate([np.pad(o[0], ((0, 0), (0, t - o[0].shape[1])), constant_values=self.cfg.pad_token_id)
                               for o in outs])
@@ -147,25 +173,57 @@ class HFEngine:
             kw[f"{kind}_grid_thw"] = torch.from_numpy(grids[items]).long()
         return kw
 
-    def _generate_rows(self, prompts: Prompts, rows: np.ndarray, sampling: SamplingParams, seed: int):
+    def _generate_rows(self, prompts: Prompts, rows: np.ndarray, sampling: SamplingParams, seeds: np.ndarray):
         kw = self._inputs(prompts, rows)
         greedy = sampling.temperature == 0
+        # Sampling = argmax of the warped logits plus Gumbel noise drawn from each answer's own generator
+        # (SeededSampler), so an answer does not depend on which other rows share its batch.
         gen = GenerationConfig(
-            do_sample=not greedy, temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy else sampling.top_p, top_k=None if greedy or not sampling.top_k else sampling.top_k,
-            max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
+            do_sample=False, max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
             eos_token_id=list(sampling.stop_token_ids) or None, pad_token_id=self.cfg.pad_token_id,
             output_logits=True, return_dict_in_generate=True)
         kw = {k: v.to(self.device) for k, v in kw.items()}
-        cuda = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda), torch.no_grad():
-            torch.manual_seed(seed)
-            out = self.model.generate(**kw, generation_config=gen)
+        procs = LogitsProcessorList([] if greedy else [SeededSampler(sampling, seeds, self.device)])
+        with torch.no_grad():
+            out = self.model.generate(**kw, generation_config=gen, logits_processor=procs)
         seqs = out.sequences[:, kw["input_ids"].shape[1]:]
         logits = torch.stack(out.logits, dim=1).float()  # raw logits, before temperature/top-p
         logp = torch.log_softmax(logits, -1).gather(-1, seqs[..., None])[..., 0].cpu().numpy()
         new = seqs.cpu().numpy()
         return _finish(new, logp, sampling.stop_token_ids, self.cfg.pad_token_id)
+
+
+def answer_seeds(seed: int, first_prompt: int, n_prompts: int, n: int) -> np.ndarray:
+    """One seed per answer (prompt-major), from the call's seed, the prompt's index in the step's batch and
+    the answer's index among its prompt's n: a share of the prompts samples the answers the whole batch would."""
+    p = first_prompt + np.repeat(np.arange(n_prompts, dtype=np.int64), n)
+    j = np.tile(np.arange(n, dtype=np.int64), n_prompts)
+    return (np.int64(seed % 2**31) * 1_000_003 + p * 7_919 + j) % (2**63 - 1)
+
+
+class SeededSampler(LogitsProcessor):
+    """Temperature, top-k and top-p as transformers' sampling warpers, then Gumbel-max with one generator per
+    row: argmax(warped logits + Gumbel noise) is a sample of the warped distribution (used under greedy
+    decoding, so the rows' random streams are their own, independent of the batch)."""
+
+    def __init__(self, sampling: SamplingParams, seeds: np.ndarray, device: torch.device):
+        self.t, self.top_k, self.top_p = sampling.temperature, sampling.top_k, sampling.top_p
+        self.gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        x = scores.float() / self.t
+        if self.top_k:
+            kth = torch.topk(x, min(self.top_k, x.shape[-1]), dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, -float("inf"))
+        if self.top_p < 1.0:
+            srt, idx = torch.sort(x, descending=False, dim=-1)
+            cum = srt.softmax(-1).cumsum(-1)
+            drop = cum <= (1 - self.top_p)
+            drop[..., -1:] = False  # keep at least the most likely token
+            x = x.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), -float("inf"))
+        u = torch.stack([torch.rand(x.shape[-1], generator=g, device=x.device) for g in self.gens])
+        expo = -torch.log(u.clamp_min(1e-20))  # Exp(1)
+        return x - torch.log(expo.clamp_min(1e-20))  # + Gumbel(0, 1)
 
 
 def _finish(new: np.ndarray, logp: np.ndarray, stop_ids, pad_id: int):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -49,10 +50,13 @@ class TensorSpec(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class SharingReport:
-    """Counts and bytes of engine tensors per class; ``extra_bytes`` = engine-owned (rebuilt) bytes."""
+    """Counts and bytes of engine tensors per class; ``extra_bytes`` = engine-owned (rebuilt) bytes.
+
+    ``details``: the JAX side's per-device classification report (``SharingPlan.report``), when known."""
 
     counts: dict[str, int]
     bytes: dict[str, int]
+    details: dict | None = None
 
     @property
     def extra_bytes(self) -> int:
@@ -67,8 +71,11 @@ class SharingReport:
         return {k: v / total for k, v in self.bytes.items()}
 
     def to_dict(self) -> dict:
-        return {"counts": dict(self.counts), "bytes": dict(self.bytes), "fractions": self.fractions(),
-                "extra_bytes": self.extra_bytes, "second_copy_bytes": self.total_bytes}
+        out = {"counts": dict(self.counts), "bytes": dict(self.bytes), "fractions": self.fractions(),
+               "extra_bytes": self.extra_bytes, "second_copy_bytes": self.total_bytes}
+        if self.details is not None:
+            out["classification"] = self.details
+        return out
 
 
 class LiveViewError(RuntimeError):
@@ -148,3 +155,125 @@ def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
             a = a.view(torch.int16)
         out[name] = hashlib.sha256(a.cpu().numpy().tobytes()).hexdigest()
     return out
+
+
+# --- sharded training params: per engine rank, from the local training shards -------------------------------
+
+def _slices(inner, outer) -> tuple[slice, ...]:
+    """Index of box ``inner`` inside an array holding box ``outer`` (boxes: (start, stop) per dim)."""
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer, strict=True))
+
+
+def _intersection(a, b):
+    box = tuple((max(x, z), min(y, w)) for (x, y), (z, w) in zip(a, b, strict=True))
+    return box if all(lo < hi for lo, hi in box) else None
+
+
+class ShardedBinder:
+    """The engine ranks' tensors made from the training shards (DLPack), as classified by the JAX side.
+
+    ``ranks``: per device position, the rank tensors of the engine rank there: objects with ``target``,
+    ``kind`` (aligned/view/rebuilt), ``pieces`` ((source, box) concatenated along dim 0), ``pad_rows``,
+    ``transpose`` and ``shape`` (``rollplex_jax.sharing.RankTensor``). ``bind(shards)`` takes, per source,
+    objects with ``position``, ``box`` and ``array`` (a DLPack-capable buffer holding that box) for every
+    addressable shard (``rollplex_jax.sharing.device_shards``); it knows nothing of shardings:
+    - aligned: ``torch.from_dlpack`` of the rank's own shard (same pointer);
+    - view: a strided view of it (a slice along any dims and/or a transpose; pointer inside its buffer);
+    - rebuilt: an engine-owned buffer (zero padding rows included), allocated on the first bind on the
+      device of the rank's own shard and refilled in place on every later bind from whichever shards hold
+      the pieces (the rank's own first): its pointer never changes.
+    Views are inference tensors; ``release()`` checks none is still referenced (as ``WeightBinder``).
+    """
+
+    def __init__(self, ranks: Mapping[int, Any]):
+        self.ranks = {p: tuple(ts) for p, ts in ranks.items()}
+        self._rebuilt: dict[tuple[int, str], torch.Tensor] = {}
+        self._storages: list[torch.UntypedStorage] = []
+
+    def bind(self, shards: Mapping[str, Any]) -> dict[int, dict[str, torch.Tensor]]:
+        """Per position, the engine rank's tensors by target name."""
+        cache: dict[int, tuple[Any, torch.Tensor]] = {}  # id(array) -> (array, its torch view): one export per buffer
+
+        def view(sh) -> torch.Tensor:
+            hit = cache.get(id(sh.array))
+            if hit is None:
+                hit = cache[id(sh.array)] = (sh.array, dlpack_view(sh.array))
+            return hit[1]
+
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        try:
+            for p, tensors in self.ranks.items():
+                out[p] = {rt.target: self._tensor(p, rt, shards, view) for rt in tensors}
+        finally:
+            cache.clear()
+        return out
+
+    def _tensor(self, p: int, rt, shards: Mapping[str, Any], view) -> torch.Tensor:
+        if rt.kind != REBUILT:
+            ((src, box),) = rt.pieces
+            own = next((sh for sh in shards[src] if sh.position == p and _intersection(sh.box, box) == box), None)
+            if own is None:
+                raise ValueError(f"{rt.target}: no shard of {src} on position {p} holds {box} (classified {rt.kind})")
+            with torch.inference_mode():
+                t = dlpack_view(own.array)
+                if box != tuple(own.box):
+                    t = t[_slices(box, own.box)]
+                if rt.transpose:
+                    t = t.t()
+            self._storages.append(t.untyped_storage())
+            return t
+        key = (p, rt.target)
+        buf = self._rebuilt.get(key)
+        if buf is None:
+            ref = self._own_shard(p, rt, shards)
+            t = view(ref)
+            buf = self._rebuilt[key] = torch.zeros(tuple(rt.shape), dtype=t.dtype, device=t.device)
+        off = 0
+        with torch.no_grad():
+            for src, box in rt.pieces:
+                rows = box[0][1] - box[0][0]
+                for sh in self._cover(p, shards[src], box):
+                    inter = _intersection(sh.box, box)
+                    dst = ((off + inter[0][0] - box[0][0], off + inter[0][1] - box[0][0]),
+                           *((lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(inter[1:], box[1:], strict=True)))
+                    buf[tuple(slice(a, b) for a, b in dst)].copy_(view(sh)[_slices(inter, sh.box)])
+                off += rows
+        return buf.t() if rt.transpose else buf
+
+    @staticmethod
+    def _own_shard(p: int, rt, shards):
+        srcs = [s for s, _ in rt.pieces] or [None]
+        for src in srcs:
+            for sh in shards.get(src, ()):
+                if sh.position == p:
+                    return sh
+        any_src = next(iter(shards.values()))
+        return next((sh for sh in any_src if sh.position == p), any_src[0])
+
+    @staticmethod
+    def _cover(p: int, src_shards, box):
+        """Shards that together hold ``box`` once each (replicas de-duplicated, the rank's own preferred)."""
+        chosen: dict[tuple, Any] = {}
+        for sh in sorted(src_shards, key=lambda s: s.position != p):
+            key = tuple(sh.box)
+            if key not in chosen and _intersection(key, box) is not None:
+                chosen[key] = sh
+        covered = sum(math.prod(b - a for a, b in _intersection(k, box)) for k in chosen)
+        if covered != math.prod(b - a for a, b in box):
+            raise ValueError(f"the addressable shards do not cover {box} (multi-host gathers are not implemented)")
+        return list(chosen.values())
+
+    def rebuilt_buffers(self) -> dict[tuple[int, str], torch.Tensor]:
+        return dict(self._rebuilt)
+
+    def report(self, positions=None, details: dict | None = None) -> SharingReport:
+        counts = {ALIGNED: 0, VIEW: 0, REBUILT: 0}
+        nbytes = {ALIGNED: 0, VIEW: 0, REBUILT: 0}
+        for p in (self.ranks if positions is None else positions):
+            for rt in self.ranks[p]:
+                counts[rt.kind] += 1
+                nbytes[rt.kind] += int(rt.nbytes)
+        return SharingReport(counts, nbytes, details)
+
+    release = WeightBinder.release
+    live_views = WeightBinder.live_views

@@ -39,9 +39,10 @@ Tp / Tv / Tr prompt / vision / answer tokens per row from ``Lengths``, kv heads 
 - boundary KV per device = (actor + reference) [L, B', Tp, K_dev(tp), d] x 2 (k, v) x b + the last
   logits [B', V] fp32, B' = B (prefix sharing) or B * G, rows divided over the D / tp batch shards;
 - rollout weights: naive = P x b / rollout_tp (a full second copy);
-  ASSUMPTION (until the per-tensor classification of issue 7): rollplex rebuilds per device
-  ``max(0, P / rollout_tp - P / (fsdp * tp)) x b`` bytes (the part of the engine's shard not held
-  by the device's own training shard, gathered into engine-owned buffers); everything else is shared.
+  rollplex: the engine-owned (rebuilt) bytes of the per-tensor classification (``sharing.py``, the
+  largest of any device); aligned and view tensors alias the actor's compute weights. (Before issue 7
+  this was assumed to be ``max(0, P / rollout_tp - P / (fsdp * tp)) x b``, the part not held locally:
+  ``remote_bytes_per_device`` of the classification, a lower bound for an engine that takes split pieces.)
 
 Prefix residuals (the pytree ``jax.vjp`` returns from the actor prefix program), per device: the
 saved activations of the prefix forward over B'/(D/tp) prompt rows, divided by tp, plus a copy of
@@ -117,6 +118,7 @@ offload the optimizer state, or to refuse to start naming the smallest budget th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -133,10 +135,27 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # Layer working sets a backward step holds beside the saved activations (see the module doc).
 BWD_FACTOR = 1
 
-WEIGHT_SHARING_ASSUMPTION = (
-    "ASSUMPTION (until the per-tensor classification of issue 7): the rollout engine shares the actor's "
-    "compute weights where the layouts agree and rebuilds per device max(0, P/rollout_tp - P/(train_fsdp*"
-    "train_tp)) x dtype bytes (the part of its rollout shard that the device's own training shard does not hold)")
+WEIGHT_SHARING_RULE = (
+    "rollout weights: per-tensor classification (rollplex_jax/sharing.py) of the engine's tensors against the "
+    "training shards on each device (rank r of rollout replica j on training device j*rollout_tp + r): aligned "
+    "and view tensors alias the actor's compute weights, rebuilt ones (fused, resharded, padded) are "
+    "engine-owned buffers; rollout_weights = the largest rebuilt bytes of any device")
+
+
+def sharing_classification(cfg: Config) -> dict:
+    """The weight-sharing classification of the config's train mesh and rollout TP (vLLM's layout for
+    --engine=vllm or rollout_tp > 1, else the transformers engine's), without the per-device list."""
+    return copy.deepcopy(_classification(cfg.model, cfg.mesh, cfg.rollout.engine))
+
+
+@functools.lru_cache(maxsize=8)
+def _classification(model: ModelConfig, mesh, engine: str) -> dict:
+    from rollplex_jax import sharing
+
+    rep = sharing.plan_sharing(model, mesh, engine=engine).report()
+    per = rep.pop("per_device")
+    rep["per_device_max"] = {k: max(d["bytes"][k] for d in per) for k in sharing.KINDS}
+    return rep
 
 
 class BudgetError(ValueError):
@@ -531,7 +550,8 @@ def plan(cfg: Config, lengths: Lengths | None = None, devices: int | None = None
     master = P * _F32 / D if m.dtype != "float32" else 0.0
     moments = 2 * counts.trainable * _F32 / D
     rollout_copy = P * b / mesh.rollout_tp
-    rebuilt = max(0.0, P / mesh.rollout_tp - P / mesh.weight_shards) * b
+    classification = sharing_classification(cfg)
+    rebuilt = classification["extra_bytes_per_device"]
 
     # Rollout engine: KV cache and decode/prefill temporaries (same engine in both layouts).
     rows_roll = min(math.ceil(B * G / mesh.rollout_replicas), cfg.rollout.max_batch)
@@ -649,19 +669,20 @@ def plan(cfg: Config, lengths: Lengths | None = None, devices: int | None = None
         + ("; reference off (--kl_mode=off)" if not use_ref else ""),
         f"rollplex optimizer state: {policy}" + (f" (host memory outside update; one chunk of 1/{chunks} on "
                                                   "the device during update)" if offload else ""),
-        WEIGHT_SHARING_ASSUMPTION,
+        WEIGHT_SHARING_RULE + f" ({classification['layout']} layout: "
+        f"{', '.join(f'{k} {v:.1%}' for k, v in classification['fractions'].items())} of the engine's bytes)",
         "naive colocation: per-sample inputs and prefixes (each prompt's patches repeated for its G answers), "
         "no boundary state, full-sequence scoring and training, a full rollout copy of the weights",
     ]
     weight_sharing = {
-        "status": "assumption",
-        "rule": WEIGHT_SHARING_ASSUMPTION,
+        "status": "classified",
+        "rule": WEIGHT_SHARING_RULE,
         "train_shards": mesh.weight_shards,
         "rollout_tp": mesh.rollout_tp,
         "rebuilt_bytes_per_device": int(rebuilt),
         "rebuilt_fraction_of_rollout_shard": round(rebuilt / rollout_copy, 4) if rollout_copy else 0.0,
         "naive_copy_bytes_per_device": int(rollout_copy),
-        "classification": None,  # per-tensor aligned/view/rebuilt counts: issue 7
+        "classification": classification,
     }
     details = {
         "prefix_rows_per_device": Bp, "answers_per_prefix": n_per_prompt, "micro_rows_per_device": r_mb,

@@ -25,7 +25,7 @@ import numpy as np
 from rollout_torch.engine import Rollouts
 from rollout_torch.hf_engine import HFEngine
 from rollplex_jax import mesh as mesh_lib
-from rollplex_jax import outputs, planner, scheduler
+from rollplex_jax import multihost, outputs, planner, scheduler
 from rollplex_jax.checkpoint import Checkpointer
 from rollplex_jax.config import Config, ConfigError
 from rollplex_jax.data import dataset as data_lib
@@ -58,7 +58,10 @@ class Runner:
 
     def __init__(self, cfg: Config, *, log=None):
         self.cfg = cfg
+        self.procs = multihost.Processes.current()  # several: a jax.distributed job (launch.main starts it)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        if self.procs.many and log is None:
+            self.log = lambda msg: print(f"[process {self.procs.index}] {msg}", file=sys.stderr, flush=True)
         self.workdir = os.path.abspath(cfg.run.workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.tokenizer = HFTokenizer(cfg.run.model_dir) if cfg.run.model_dir else TinyTokenizer()
@@ -73,7 +76,7 @@ class Runner:
             _, params = load_hf_checkpoint(cfg.run.model_dir, dtype=cfg.model.dtype)
         else:
             params = init_params(cfg.model, jax.random.key(cfg.run.seed))
-        _check_mesh(cfg)
+        _check_mesh(cfg, self.procs)
         self.mesh = mesh_lib.train_mesh(cfg.mesh) if cfg.mesh.train_devices > 1 else None
         if self.mesh is not None:  # actor and reference on the training mesh (mesh.py: the rules)
             self.shardings = mesh_lib.param_shardings(cfg.model, self.mesh)
@@ -100,8 +103,9 @@ class Runner:
         if cfg.memory.measure_memory:
             self.programs, split = _tracked(self.meter, self.programs, split)
         self.ctx = scheduler.StepContext(cfg=cfg, programs=self.programs, engine=self.engine,
-                                         publisher=WeightPublisher(self.engine), reward_fn=reward,
-                                         decode=self.tokenizer.decode, stop_ids=stop, split=split, meter=self.meter)
+                                         publisher=WeightPublisher(self._bindable()), reward_fn=reward,
+                                         decode=self.tokenizer.decode, stop_ids=stop, split=split, meter=self.meter,
+                                         procs=self.procs)
         self.tracer = Tracer()
         self.checkpointer = Checkpointer(self.workdir, cfg.checkpoint.keep)
         self.step = 0
@@ -121,7 +125,7 @@ class Runner:
             self.check_sharding()
         elif cfg.run.resume:
             self.log(f"resume: no checkpoint in {self.checkpointer.directory}; starting from step 0")
-        self.writer = outputs.MetricsWriter(self.workdir, keep_steps=self.step)
+        self.writer = outputs.MetricsWriter(self.workdir, keep_steps=self.step) if self.procs.writer else _NoWriter()
 
     def _restore(self, step: int) -> None:
         """Continues from checkpoint ``step``: train state, data position; metrics after it are dropped."""
@@ -129,7 +133,7 @@ class Runner:
         tree, meta = self.checkpointer.restore(step, like)
         self.state = scheduler.TrainState(tree["params"], self.programs.optimizer.place(tree["opt_state"]),
                                           self.state.ref_params)
-        if params_sha256(self.state.params) != meta["params_sha256"]:
+        if self.params_sha256() != meta["params_sha256"]:
             raise RuntimeError(f"checkpoint {step} in {self.checkpointer.directory} is corrupt: its params do not "
                                "hash to the value recorded when it was saved")
         self.sampler = data_lib.PromptSampler.from_state(meta["sampler"], n_examples=len(self.train_set))
@@ -139,6 +143,12 @@ class Runner:
         self.log(f"resume: continuing from the checkpoint of step {self.step} in {self.checkpointer.directory}")
 
     # --- setup helpers -----------------------------------------------------------------------------
+    def params_sha256(self) -> str:
+        """``params_sha256`` of the actor's current params (gathered from every process when there are several)."""
+        if not self.procs.many:
+            return params_sha256(self.state.params)
+        return params_sha256(multihost.host_arrays(self.state.params, self.procs))
+
     def mesh_scope(self):
         """The training mesh as the context of program calls (activation constraints resolve against it);
         a null context on one device."""
@@ -158,13 +168,19 @@ class Runner:
         d = self.cfg.data
         if not path:
             out = os.path.join(self.workdir, "data" if split == "train" else "eval_data")
-            if not os.path.exists(os.path.join(out, "data.jsonl")):
+            if self.procs.writer and not os.path.exists(os.path.join(out, "data.jsonl")):
                 synthetic.write_dataset(d.synthetic_task, n, out, seed, image_size=d.synthetic_image_size)
+            multihost.barrier(f"data:{split}", self.procs)  # the others read what process 0 wrote
             path = os.path.join(out, "data.jsonl")
         examples, report = data_lib.load_dataset(path, self.tokenizer, self.cfg.model.vision,
                                                  min_pixels=d.min_pixels, max_pixels=d.max_pixels,
                                                  max_prompt_len=d.max_prompt_len, log=self.log)
         return examples, report
+
+    def _bindable(self):
+        """What the weight publisher binds: the engine, or in a multi-process run the engine behind an
+        all-gather of the params (multihost.GatheredBinding)."""
+        return multihost.GatheredBinding(self.engine, self.mesh) if self.procs.many else self.engine
 
     def _engine_own_bytes(self) -> int:
         """Bytes of weight tensors the engine owns (rebuilt, not views of the actor's buffers)."""
@@ -202,7 +218,7 @@ class Runner:
             bar = tqdm(total=target - self.step, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stderr,
                        mininterval=0.1 if tty else 30.0, maxinterval=10.0 if tty else 60.0)
         try:
-            while self.step < target and not self._stop_requested:
+            while self.step < target and not multihost.any_process(self._stop_requested, self.procs):
                 metrics = self.train_step()
                 if bar is not None:
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step_s']:.2f}",
@@ -250,7 +266,7 @@ class Runner:
         """
         if self.checkpointer.latest_step() == self.step:
             return
-        meta = {"step": self.step, "sampler": self.sampler.state(), "params_sha256": params_sha256(self.state.params),
+        meta = {"step": self.step, "sampler": self.sampler.state(), "params_sha256": self.params_sha256(),
                 "rng": {"seed": self.cfg.run.seed, "sampling_seed_of_next_step": self._seed(self.step)},
                 "config": self.cfg.to_dict()}
         self.checkpointer.save(self.step, _state_tree(self.state), meta)
@@ -282,15 +298,19 @@ class Runner:
             return {}
         correct, n = 0.0, 0
         bs = self.cfg.rollout.max_batch
-        for i in range(0, len(self.eval_set), bs):
-            chunk = self.eval_set[i:i + bs]
+        mine = multihost.share(len(self.eval_set), self.procs.index, self.procs.count)  # each process its share
+        local = self.eval_set[mine]
+        for i in range(0, len(local), bs):
+            chunk = local[i:i + bs]
             prompts = data_lib.collate(chunk, self.tokenizer.pad_id)
-            ro = scheduler.sample(self.ctx, self.state.params, prompts, n=1, seed=0, greedy=True)
+            with self.mesh_scope():
+                ro = scheduler.sample(self.ctx, self.state.params, prompts, n=1, seed=0, greedy=True)
             texts = scheduler.response_texts(ro, self.tokenizer.decode, self.ctx.stop_ids)
             r, _ = self.reward([t[0] for t in texts], [e.answer for e in chunk])
             correct += float(np.sum(np.asarray(r) >= 1.0))
             n += len(chunk)
-        return {"eval/greedy_accuracy": correct / n, "eval/n": n}
+        correct, n = multihost.allgather_rows(np.array([correct, n], np.float64)[None], self.procs).sum(0)
+        return {"eval/greedy_accuracy": float(correct / n), "eval/n": int(n)}
 
     def finish(self) -> dict:
         """Evaluates, writes run_summary.json and plots, saves a final checkpoint; returns the summary."""
@@ -308,12 +328,17 @@ class Runner:
             "skipped_steps/no_signal": sum(h.get("skipped_steps/no_signal", 0) for h in self.history),
             "skipped_steps/nonfinite": sum(h.get("skipped_steps/nonfinite", 0) for h in self.history),
             **ev,
-            "params_sha256": params_sha256(self.state.params),
+            "params_sha256": self.params_sha256(),
             "weight_sharing": self.engine.sharing_report().to_dict(),
             "memory": self.memory_report(),
             "data": {"train": self.train_report.to_dict()},
             "wall_s": time.perf_counter() - self._t0,
         }
+        if self.procs.many:
+            summary["processes"] = self.procs.count
+        if not self.procs.writer:  # process 0 writes the run's files
+            self.close()
+            return summary
         outputs.write_summary(self.workdir, summary)
         if self.history:
             outputs.plot_reward(self.history, os.path.join(self.workdir, "plots", "reward.png"),
@@ -486,8 +511,25 @@ def config_from_flagfile(path: str | os.PathLike, **overrides) -> Config:
         raise ConfigError(str(e)) from None
 
 
-def _check_mesh(cfg: Config) -> None:
+class _NoWriter:
+    """Metrics sink of processes other than 0 (process 0 writes metrics.jsonl and TensorBoard)."""
+
+    def write(self, step: int, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _check_mesh(cfg: Config, procs: multihost.Processes) -> None:
     m = cfg.mesh
+    if procs.many and m.train_devices != jax.device_count():
+        raise ConfigError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} = {m.train_devices} devices, but "
+                          f"the {procs.count} processes of this job have {jax.device_count()}: a multi-process run "
+                          "trains on one mesh over all of them (set fsdp x tp to the total device count)")
+    if procs.many and cfg.rl.batch_prompts < procs.count:
+        raise ConfigError(f"--batch_prompts={cfg.rl.batch_prompts} < {procs.count} processes: each process decodes "
+                          "its share of the prompts; use at least one prompt per process")
     if m.train_devices > jax.device_count():
         raise ConfigError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} needs {m.train_devices} devices but "
                           f"{jax.device_count()} are visible (on CPU: XLA_FLAGS="

@@ -25,8 +25,9 @@ import numpy as np
 from rollout_torch.engine import Engine, Prompts, Rollouts, SamplingParams
 from rollplex_jax.config import Config
 from rollplex_jax.models.qwen2_5_vl.model import prepare_inputs
+from rollplex_jax.multihost import Processes, allgather_rows, gather_rollouts, share
 from rollplex_jax.programs.actor import Programs
-from rollplex_jax.programs.sequences import micro_batches, repeat_rows
+from rollplex_jax.programs.sequences import micro_batches, repeat_rows, select_rows
 from rollplex_jax.rl import advantages as adv_lib
 from rollplex_jax.rl import losses
 from rollplex_jax.sharing import WeightPublisher
@@ -56,6 +57,7 @@ class StepContext:
     stop_ids: tuple[int, ...]
     split: Any = None  # programs.split.SplitPrograms, for --schedule=rollplex
     meter: Any = None  # memory.MemoryMeter: live device bytes per phase and buffer class
+    procs: Processes = Processes()  # this process among those of a jax.distributed job (multihost.py)
 
 
 def _mark_chunk(ctx: StepContext, params, opt_state, ref_params, grads, held: dict, live: dict) -> None:
@@ -98,15 +100,18 @@ def response_texts(rollouts: Rollouts, decode, stop_ids) -> list[list[str]]:
 
 
 def sample(ctx: StepContext, params: dict, prompts: Prompts, *, n: int, seed: int, greedy: bool = False,
-           tracer: Tracer | None = None, step: int = 0, during_decode=None) -> Rollouts:
+           tracer: Tracer | None = None, step: int = 0, during_decode=None, first_prompt: int = 0) -> Rollouts:
     """Rollout under ``params``: publish (bind views), generate, release (so params may be donated).
 
     ``during_decode()`` is called after binding and before decoding: the Rollplex schedule dispatches
-    its prefix programs there so that XLA computes them while torch decodes.
+    its prefix programs there so that XLA computes them while torch decodes. ``first_prompt``: the
+    index of ``prompts``' first row in the step's batch (each answer's sampling is seeded by its
+    prompt's index in the batch, so a process decoding a share samples what one process would).
     """
     r = ctx.cfg.rollout
     sp = SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
-                        max_new_tokens=r.max_new_tokens, stop_token_ids=ctx.stop_ids, seed=seed)
+                        max_new_tokens=r.max_new_tokens, stop_token_ids=ctx.stop_ids, seed=seed,
+                        first_prompt=first_prompt)
     tracer = tracer or Tracer()
     with tracer.span("host", "bind", step):
         ctx.publisher.publish(params, version=step)
@@ -122,15 +127,25 @@ def sample(ctx: StepContext, params: dict, prompts: Prompts, *, n: int, seed: in
 
 def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], seed: int,
                          tracer: Tracer, step: int, during_decode=None):
-    """G answers per prompt under theta_k (see ``sample``), then their rewards."""
-    g = ctx.cfg.rollout.group_size
-    rollouts = sample(ctx, state.params, prompts, n=g, seed=seed, tracer=tracer, step=step,
-                      during_decode=during_decode)
+    """G answers per prompt under theta_k (see ``sample``), then their rewards. With several processes
+    each decodes and rewards its share of the prompts, then all gather the whole batch."""
+    g, procs = ctx.cfg.rollout.group_size, ctx.procs
+    mine = share(prompts.batch_size, procs.index, procs.count)
+    local = select_rows(ctx.cfg.model, prompts, np.arange(mine.start, mine.stop)) if procs.many else prompts
+    rollouts = sample(ctx, state.params, local, n=g, seed=seed, tracer=tracer, step=step,
+                      during_decode=during_decode, first_prompt=mine.start)
     b = rollouts.response_ids.shape[0]
     with tracer.span("rewards", "reward", step):
         texts = response_texts(rollouts, ctx.decode, ctx.stop_ids)
-        flat, failures = ctx.reward_fn([t for row in texts for t in row], [a for a in answers for _ in range(g)])
+        flat, failures = ctx.reward_fn([t for row in texts for t in row],
+                                       [a for a in answers[mine] for _ in range(g)])
         rewards = np.asarray(flat, np.float32).reshape(b, g)
+    if procs.many:
+        with tracer.span("host", "gather", step):
+            rollouts = gather_rollouts(rollouts, ctx.cfg.rollout.max_new_tokens, ctx.cfg.model.pad_token_id, procs)
+            rewards = allgather_rows(rewards, procs)
+            failures = int(allgather_rows(np.array([failures], np.int64), procs).sum())
+            texts = response_texts(rollouts, ctx.decode, ctx.stop_ids)
     return rollouts, texts, rewards, failures
 
 

@@ -6,16 +6,27 @@ buffers); before any program that donates them runs, the engine must *release*
 every view, since a live view silently blocks donation (ENVIRONMENT.md). This
 module is the one place that sequences the two, and it checks the result.
 
-Parallelism-aware classification (train mesh vs rollout TP degree) extends this
-with per-shard specs (issue 7); on one device every HF-engine tensor is aligned.
+Parallelism-aware classification (issue 7, below ``Sharing by layout``): for every engine
+tensor and every device, the training shard held there (train mesh, ``mesh.TRAIN_RULES``) is
+compared with what the rollout engine rank placed there needs (its TP degree, its own layout:
+vLLM's fused q/k/v and gate/up, padded vocab; the transformers engine's HF layout): ``aligned``,
+``view`` or ``rebuilt``. ``plan_sharing`` needs no devices (``launch.plan``); ``plan_for_params``
+and ``device_shards`` turn real (sharded) arrays into what ``rollout_torch.weights.ShardedBinder``
+binds. On one device every HF-engine tensor is aligned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import jax
+import numpy as np
+
+from rollplex_jax.config import MeshConfig, ModelConfig
+from rollplex_jax.models.qwen2_5_vl.params import param_specs
 
 
 class BindableEngine(Protocol):
@@ -49,3 +60,440 @@ class WeightPublisher:
 def donated(old: Mapping[str, jax.Array]) -> bool:
     """True when every array of ``old`` was consumed by a donating program."""
     return all(a.is_deleted() for a in old.values())
+
+
+# =====================================================================================================
+# Sharing by layout (issue 7): which engine tensors can alias the training shards, on which device.
+# =====================================================================================================
+#
+# Pure Python (no devices): ``launch.plan`` classifies a 32-device setting on a CPU box. Terms:
+# - an *engine layout* is a list of ``EngineTensor``s (the tensors of one engine rank, by name);
+# - the *placement*: the training mesh's devices (row-major over (fsdp, tp), i.e. mesh.devices.flat)
+#   host ``N / t_r`` rollout replicas, replica j = devices [j t_r, (j+1) t_r), rank = position in it
+#   (N = lcm(train devices, t_r): when t_r exceeds the training mesh, a replica spans several
+#   data-parallel copies of it, device i holding the training shard of position i mod train devices);
+# - a *box* is a tuple of (start, stop) per dimension of a source parameter.
+
+ALIGNED, VIEW, REBUILT = "aligned", "view", "rebuilt"
+KINDS = (ALIGNED, VIEW, REBUILT)
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineTensor:
+    """One engine tensor: ``sources`` (actor params) concatenated along dim 0, split over rollout TP ranks.
+
+    ``tp_dim``: 0 = column/vocab parallel (rows split), 1 = row parallel (columns split), None = replicated.
+    A fused tensor (several sources, vLLM's QKVParallelLinear / MergedColumnParallelLinear) gives rank r
+    cat(rows of rank r of each source). ``split`` > 1: the single source is that many equal row blocks,
+    each split over the ranks (vLLM's vision ``attn.qkv``: rank r holds [q_r; k_r; v_r] of the HF tensor).
+    ``heads``: heads per part (a source, or a block); a part with fewer heads than ranks is replicated over
+    groups of ranks (vLLM's KV-head replication). ``pad_multiple``: dim 0 is padded to a multiple of it
+    before the split (vLLM's vocab padding); a rank holding padding rows is rebuilt.
+    """
+
+    target: str
+    sources: tuple[str, ...]
+    tp_dim: int | None = None
+    transpose: bool = False
+    split: int = 1
+    heads: tuple[int, ...] | None = None
+    pad_multiple: int | None = None
+
+
+class RankTensor(NamedTuple):
+    """What one engine rank gets for one engine tensor (what ``rollout_torch.weights.ShardedBinder`` reads).
+
+    ``pieces``: (source, box in source coordinates), concatenated along dim 0, then ``pad_rows`` zero rows,
+    then transposed if ``transpose``. ``shape``: before the transpose. ``local_bytes``: bytes of the pieces
+    already inside the device's own training shard (a rebuilt tensor need only receive the rest).
+    """
+
+    target: str
+    kind: str
+    pieces: tuple[tuple[str, Box], ...]
+    pad_rows: int
+    transpose: bool
+    shape: tuple[int, ...]
+    nbytes: int
+    local_bytes: int
+
+
+def hf_layout(cfg: ModelConfig) -> list[EngineTensor]:
+    """The transformers engine: each parameter its own tensor, HF layout, no tensor parallelism."""
+    out = [EngineTensor(name, (name,)) for name in param_specs(cfg)]
+    if cfg.tie_word_embeddings:
+        out.append(EngineTensor("lm_head.weight", ("model.embed_tokens.weight",)))
+    return out
+
+
+def vllm_layout(cfg: ModelConfig, *, fuse: bool = True, vocab_pad: int | None = 64) -> list[EngineTensor]:
+    """vLLM's Qwen2.5-VL (vllm/model_executor/models/qwen2_5_vl.py + qwen2.py), text and vision, by vLLM name.
+
+    Text: ``qkv_proj`` = [q; k; v] (QKVParallelLinear, KV heads replicated when fewer than ranks) and
+    ``gate_up_proj`` = [gate; up] (MergedColumnParallelLinear) column-parallel with their biases;
+    ``o_proj``, ``down_proj`` row-parallel; ``embed_tokens``/``lm_head`` vocab-parallel, padded to a
+    multiple of 64 (VocabParallelEmbedding); norms replicated. Vision: ``attn.qkv`` is a QKVParallelLinear
+    over the HF [3d, d] tensor (rank r: [q_r; k_r; v_r]); ``attn.proj`` row-parallel; ``mlp.gate_up_proj``
+    column (fused), ``mlp.down_proj`` row; merger ``mlp.0`` column, ``mlp.2`` row; ``patch_embed``
+    (ReplicatedLinear) and norms replicated. A row-parallel layer's bias is added after the all-reduce:
+    replicated. ``fuse=False, vocab_pad=None``: the same TP splits with one tensor per HF parameter.
+    """
+    t, v = cfg.text, cfg.vision
+    lm, out = ("language_model." if fuse else ""), []  # unfused: HF names
+
+    def col(target, sources, heads=None, split=1, bias=True, prefix="", src_prefix=""):
+        names = [src_prefix + s for s in sources]
+        kinds = ("weight", "bias") if bias else ("weight",)
+        if fuse or len(names) == 1:
+            for k in kinds:
+                out.append(EngineTensor(f"{prefix}{target}.{k}", tuple(f"{n}.{k}" for n in names), 0, split=split,
+                                        heads=heads))
+        else:
+            for n, h in zip(names, heads or (None,) * len(names), strict=True):
+                for k in kinds:
+                    out.append(EngineTensor(f"{n}.{k}", (f"{n}.{k}",), 0, heads=None if h is None else (h,)))
+
+    def row(name, bias, prefix=""):
+        out.append(EngineTensor(f"{prefix}{name}.weight", (f"{name}.weight",), 1))
+        if bias:
+            out.append(EngineTensor(f"{prefix}{name}.bias", (f"{name}.bias",), None))
+
+    def rep(name, prefix=""):
+        out.append(EngineTensor(prefix + name, (name,), None))
+
+    rep("visual.patch_embed.proj.weight")
+    for i in range(v.depth):
+        p = f"visual.blocks.{i}."
+        rep(p + "norm1.weight")
+        rep(p + "norm2.weight")
+        if fuse:
+            col(p + "attn.qkv", ("attn.qkv",), heads=(v.num_heads,) * 3, split=3, src_prefix=p)
+        else:
+            col(p + "attn.qkv", ("attn.qkv",), heads=(v.num_heads,), src_prefix=p)
+        row(p + "attn.proj", True)
+        col(p + "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), src_prefix=p)
+        row(p + "mlp.down_proj", True)
+    rep("visual.merger.ln_q.weight")
+    col("visual.merger.mlp.0", ("visual.merger.mlp.0",))
+    row("visual.merger.mlp.2", True)
+
+    vocab = dict(tp_dim=0, pad_multiple=vocab_pad if fuse else None)
+    out.append(EngineTensor(lm + "model.embed_tokens.weight", ("model.embed_tokens.weight",), **vocab))
+    for i in range(t.num_hidden_layers):
+        p = f"model.layers.{i}."
+        rep(p + "input_layernorm.weight", lm)
+        rep(p + "post_attention_layernorm.weight", lm)
+        col(p + "self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            heads=(t.num_attention_heads, t.num_key_value_heads, t.num_key_value_heads), prefix=lm, src_prefix=p)
+        row(p + "self_attn.o_proj", False, lm)
+        col(p + "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), bias=False, prefix=lm, src_prefix=p)
+        row(p + "mlp.down_proj", False, lm)
+    rep("model.norm.weight", lm)
+    if not cfg.tie_word_embeddings:  # tied: vLLM's lm_head *is* embed_tokens
+        out.append(EngineTensor(lm + "lm_head.weight", ("lm_head.weight",), **vocab))
+    return out
+
+
+def tp_layout(cfg: ModelConfig) -> list[EngineTensor]:
+    """vLLM's TP splits without fusion or vocab padding: one tensor per HF parameter (a TP HF-like engine)."""
+    return vllm_layout(cfg, fuse=False, vocab_pad=None)
+
+
+LAYOUTS = {"hf": hf_layout, "vllm": vllm_layout, "tp": tp_layout}
+
+
+def layout_for(engine: str, rollout_tp: int) -> str:
+    """The layout ``launch.plan`` classifies: vLLM's for --engine=vllm or any rollout TP, else transformers'."""
+    return "vllm" if engine == "vllm" or rollout_tp > 1 else "hf"
+
+
+def shard_box(shape: Sequence[int], spec: Sequence[Any], mesh_shape: Mapping[str, int],
+              coords: Mapping[str, int]) -> Box:
+    """The index box of the shard at mesh ``coords`` of an array of ``shape`` laid out by ``spec``
+    (a PartitionSpec: per dim None, an axis name or a tuple of axis names, major to minor)."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    out = []
+    for dim, entry in zip(shape, spec, strict=True):
+        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        n, idx = 1, 0
+        for a in axes:
+            n, idx = n * mesh_shape[a], idx * mesh_shape[a] + coords[a]
+        if dim % n:
+            raise ValueError(f"dimension {dim} is not divisible by the {n} shards of {entry!r}")
+        size = dim // n
+        out.append((int(idx * size), int((idx + 1) * size)))
+    return tuple(out)
+
+
+def _full(shape: Sequence[int]) -> Box:
+    return tuple((0, int(d)) for d in shape)
+
+
+def _contains(outer: Box, inner: Box) -> bool:
+    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner, strict=True))
+
+
+def _intersect_size(a: Box, b: Box) -> int:
+    return math.prod(max(0, min(y, w) - max(x, z)) for (x, y), (z, w) in zip(a, b, strict=True))
+
+
+def rank_pieces(et: EngineTensor, shapes: Mapping[str, Sequence[int]], t_r: int, r: int
+                ) -> tuple[tuple[tuple[str, Box], ...], int]:
+    """The (source, box) pieces that rank ``r`` of ``t_r`` holds of ``et`` (concatenated along dim 0), and
+    its zero padding rows."""
+    if et.tp_dim is None:
+        pieces = [(s, _full(shapes[s])) for s in et.sources]
+        return _merge(pieces), 0
+    if et.tp_dim == 1:
+        (s,) = et.sources
+        shape = shapes[s]
+        c = _divide(shape[1], t_r, et.target)
+        box = list(_full(shape))
+        box[1] = (r * c, (r + 1) * c)
+        return ((s, tuple(box)),), 0
+    if et.pad_multiple:
+        (s,) = et.sources
+        shape = shapes[s]
+        rows = shape[0]
+        padded = -(-rows // et.pad_multiple) * et.pad_multiple
+        per = _divide(padded, t_r, et.target)
+        a, b = r * per, min((r + 1) * per, rows)
+        pieces = [(s, ((a, b), *_full(shape)[1:]))] if b > a else []
+        return tuple(pieces), per - max(0, b - a)
+    if et.split > 1:
+        (s,) = et.sources
+        n = _divide(shapes[s][0], et.split, et.target)
+        parts = [(s, k * n, (k + 1) * n) for k in range(et.split)]
+    else:
+        parts = [(s, 0, shapes[s][0]) for s in et.sources]
+    heads = et.heads or (None,) * len(parts)
+    pieces = []
+    for (s, a, b), h in zip(parts, heads, strict=True):
+        k = t_r if h is None else min(t_r, h)
+        if t_r % k:
+            raise ValueError(f"{et.target}: {h} heads cannot be replicated evenly over {t_r} rollout ranks")
+        n = _divide(b - a, k, et.target)
+        i = r // (t_r // k)
+        pieces.append((s, ((a + i * n, a + (i + 1) * n), *_full(shapes[s])[1:])))
+    return _merge(pieces), 0
+
+
+def _divide(n: int, k: int, what: str) -> int:
+    if n % k:
+        raise ValueError(f"{what}: dimension {n} is not divisible by rollout TP {k}")
+    return n // k
+
+
+def _merge(pieces) -> tuple[tuple[str, Box], ...]:
+    """Adjacent pieces of one source that continue each other along dim 0 become one."""
+    out: list[tuple[str, Box]] = []
+    for s, box in pieces:
+        if out and out[-1][0] == s and out[-1][1][0][1] == box[0][0] and out[-1][1][1:] == box[1:]:
+            prev = out[-1][1]
+            out[-1] = (s, ((prev[0][0], box[0][1]), *box[1:]))
+        else:
+            out.append((s, box))
+    return tuple(out)
+
+
+def classify_tensor(et: EngineTensor, pieces, pad_rows: int, local: Mapping[str, Box], itemsize: int,
+                    full_shape: Sequence[int] = ()) -> RankTensor:
+    """aligned: one piece, no transpose, the whole local shard; view: one piece inside the local shard (a
+    strided slice and/or a transpose); rebuilt: anything else (fused, several row ranges, padding, remote)."""
+    shapes = [tuple(b - a for a, b in box) for _, box in pieces]
+    rest = shapes[0][1:] if shapes else tuple(full_shape[1:])
+    shape = (sum(s[0] for s in shapes) + pad_rows, *rest)
+    nbytes = int(math.prod(shape) * itemsize)
+    local_bytes = int(sum(_intersect_size(box, local[s]) for s, box in pieces) * itemsize)
+    if len(pieces) == 1 and not pad_rows and _contains(local[pieces[0][0]], pieces[0][1]):
+        kind = ALIGNED if pieces[0][1] == local[pieces[0][0]] and not et.transpose else VIEW
+    else:
+        kind = REBUILT
+    return RankTensor(et.target, kind, tuple(pieces), pad_rows, et.transpose, shape, nbytes, local_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharingPlan:
+    """Per device position (0..devices-1, mesh.devices.flat order): the rank tensors of the engine rank there."""
+
+    layout: str
+    train_mesh: dict[str, int]
+    rollout_tp: int
+    devices: int
+    itemsize: int
+    ranks: dict[int, tuple[RankTensor, ...]]
+
+    placement: str = "blocked"
+
+    def rank_of(self, position: int) -> int:
+        return rank_of(position, self.devices, self.rollout_tp, self.placement)
+
+    def report(self, positions: Sequence[int] | None = None, by_role: bool = True) -> dict:
+        """Counts, bytes and byte fractions per class over ``positions`` (default all) and per device; extra
+        bytes per device (engine-owned = rebuilt; max over devices) vs a full second copy of the rollout shard."""
+        positions = sorted(self.ranks) if positions is None else list(positions)
+        counts = dict.fromkeys(KINDS, 0)
+        nbytes = dict.fromkeys(KINDS, 0)
+        per_device, roles = [], {}
+        for p in positions:
+            dc, db = dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 0)
+            remote = 0
+            for rt in self.ranks[p]:
+                dc[rt.kind] += 1
+                db[rt.kind] += rt.nbytes
+                if rt.kind == REBUILT:
+                    remote += rt.nbytes - rt.local_bytes
+                if by_role:
+                    role = roles.setdefault(_role(rt.target), dict.fromkeys(KINDS, 0))
+                    role[rt.kind] += rt.nbytes
+            for k in KINDS:
+                counts[k] += dc[k]
+                nbytes[k] += db[k]
+            per_device.append({"device": p, "rank": self.rank_of(p), "counts": dc, "bytes": db,
+                               "rollout_shard_bytes": sum(db.values()), "remote_bytes": remote})
+        total = max(sum(nbytes.values()), 1)
+        extra = max(d["bytes"][REBUILT] for d in per_device)
+        copy = max(d["rollout_shard_bytes"] for d in per_device)
+        out = {
+            "layout": self.layout, "train_mesh": dict(self.train_mesh), "rollout_tp": self.rollout_tp,
+            "placement": self.placement,
+            "devices": self.devices, "replicas": self.devices // self.rollout_tp, "positions": len(positions),
+            "counts": counts, "bytes": nbytes, "fractions": {k: round(v / total, 4) for k, v in nbytes.items()},
+            "extra_bytes_per_device": extra, "second_copy_bytes_per_device": copy,
+            "extra_vs_second_copy": round(extra / copy, 4) if copy else 0.0,
+            "remote_bytes_per_device": max(d["remote_bytes"] for d in per_device),
+            "per_device": per_device,
+        }
+        if by_role:
+            out["by_role"] = roles
+        return out
+
+
+def _role(target: str) -> str:
+    """A tensor's name with its layer/block index replaced by '*' (groups the report)."""
+    parts = target.split(".")
+    return ".".join("*" if p.isdigit() and i and parts[i - 1] in ("layers", "blocks") else p
+                    for i, p in enumerate(parts))
+
+
+def rank_of(position: int, devices: int, rollout_tp: int, placement: str = "blocked") -> int:
+    """The engine rank at ``position``. blocked (the default): replica j = positions [j t_r, (j+1) t_r);
+    strided: replica j = positions j, j + R, j + 2R, ... (R = devices / t_r replicas), which puts rank r of
+    a TP-t_r engine on the training TP rank whose shard starts its rows when training TP > t_r."""
+    if placement == "blocked":
+        return position % rollout_tp
+    if placement == "strided":
+        return position // (devices // rollout_tp)
+    raise ValueError(f"placement must be blocked or strided, not {placement!r}")
+
+
+def classify(layout: str | Sequence[EngineTensor], shapes: Mapping[str, Sequence[int]],
+             boxes: Mapping[str, Sequence[Box]], rollout_tp: int, itemsize: int, *,
+             train_mesh: Mapping[str, int] | None = None, positions: Sequence[int] | None = None,
+             cfg: ModelConfig | None = None, placement: str = "blocked", layout_name: str | None = None
+             ) -> SharingPlan:
+    """Classifies every engine tensor on every device. ``boxes[name][i]``: the training shard of ``name`` on
+    training position i (len = training devices); the plan covers lcm(training devices, rollout_tp) positions
+    (``positions``: only those)."""
+    name = layout_name or (layout if isinstance(layout, str) else "custom")
+    tensors = LAYOUTS[layout](cfg) if isinstance(layout, str) else list(layout)
+    if name == "hf" and rollout_tp != 1:
+        raise ValueError(f"the transformers engine has no tensor parallelism: rollout_tp={rollout_tp} needs "
+                         "--engine=vllm")
+    n_train = len(next(iter(boxes.values())))
+    devices = math.lcm(n_train, rollout_tp)
+    ranks = {}
+    for p in (range(devices) if positions is None else positions):
+        local = {s: b[p % n_train] for s, b in boxes.items()}
+        r = rank_of(p, devices, rollout_tp, placement)
+        ranks[p] = tuple(classify_tensor(et, *rank_pieces(et, shapes, rollout_tp, r), local, itemsize,
+                                         shapes[et.sources[0]]) for et in tensors)
+    return SharingPlan(name, dict(train_mesh or {"devices": n_train}), rollout_tp, devices, itemsize, ranks,
+                       placement)
+
+
+def plan_sharing(cfg: ModelConfig, mesh: MeshConfig, layout: str | None = None, engine: str = "hf",
+                 positions: Sequence[int] | None = None, placement: str = "blocked") -> SharingPlan:
+    """The classification for a training mesh (fsdp x tp, TRAIN_RULES) and rollout TP, without devices."""
+    from rollplex_jax.mesh import AXES, partition_spec
+
+    mesh_shape = {"fsdp": mesh.train_fsdp, "tp": mesh.train_tp}
+    fake = _MeshShape(mesh_shape)
+    specs = param_specs(cfg)
+    coords = [dict(zip(AXES, map(int, np.unravel_index(p, tuple(mesh_shape[a] for a in AXES))), strict=True))
+              for p in range(mesh.train_devices)]
+    boxes = {}
+    for name, (shape, axes) in specs.items():
+        spec = partition_spec(shape, axes, fake)
+        boxes[name] = [shard_box(shape, spec, mesh_shape, c) for c in coords]
+    layout = layout or layout_for(engine, mesh.rollout_tp)
+    return classify(layout, {k: s for k, (s, _) in specs.items()}, boxes, mesh.rollout_tp,
+                    np.dtype(cfg.dtype).itemsize, train_mesh=mesh_shape, positions=positions, cfg=cfg,
+                    placement=placement)
+
+
+class _MeshShape(NamedTuple):
+    shape: dict[str, int]
+
+
+# --- JAX arrays -> what the torch binder reads ---------------------------------------------------------
+
+class Shard(NamedTuple):
+    """One addressable shard: its device position (mesh.devices.flat order), index box and DLPack-capable buffer."""
+
+    position: int
+    box: Box
+    array: Any
+
+
+def device_order(params: Mapping[str, jax.Array]) -> list[jax.Device]:
+    """The training devices in placement order: a NamedSharding's mesh.devices.flat (else the one device)."""
+    for a in params.values():
+        s = a.sharding
+        if isinstance(s, jax.sharding.NamedSharding):
+            return list(s.mesh.devices.flat)
+    return [next(iter(next(iter(params.values())).devices()))]
+
+
+def param_boxes(params: Mapping[str, jax.Array], order: Sequence[jax.Device]) -> dict[str, list[Box]]:
+    """Per parameter, the index box of its training shard on each device of ``order``."""
+    out = {}
+    for name, a in params.items():
+        m = a.sharding.devices_indices_map(a.shape)
+        out[name] = [_index_box(m[d], a.shape) for d in order]
+    return out
+
+
+def _index_box(index, shape) -> Box:
+    return tuple(sl.indices(dim)[:2] for sl, dim in zip(index, shape, strict=True)) if index else ()
+
+
+def device_shards(params: Mapping[str, jax.Array], order: Sequence[jax.Device] | None = None,
+                  positions: Sequence[int] | None = None) -> dict[str, list[Shard]]:
+    """Per parameter, its addressable shards as ``Shard``s (zero-copy buffers; only ``positions`` if given)."""
+    order = device_order(params) if order is None else order
+    pos = {d: i for i, d in enumerate(order)}
+    keep = None if positions is None else set(positions)
+    out = {}
+    for name, a in params.items():
+        shards = a.addressable_shards
+        if len(shards) == 1 and shards[0].device in pos:  # unsharded: the array itself (same buffer)
+            out[name] = [Shard(pos[shards[0].device], _full(a.shape), a)]
+            continue
+        out[name] = [Shard(pos[s.device], _index_box(s.index, a.shape), s.data) for s in shards
+                     if s.device in pos and (keep is None or pos[s.device] in keep)]
+    return out
+
+
+def plan_for_params(params: Mapping[str, jax.Array], layout: str | Sequence[EngineTensor], rollout_tp: int = 1,
+                    cfg: ModelConfig | None = None, positions: Sequence[int] | None = None,
+                    placement: str = "blocked", layout_name: str | None = None) -> SharingPlan:
+    """The classification for actual (possibly sharded) arrays, from their shardings."""
+    order = device_order(params)
+    boxes = param_boxes(params, order)
+    mesh = next((dict(a.sharding.mesh.shape) for a in params.values()
+                 if isinstance(a.sharding, jax.sharding.NamedSharding)), {"devices": len(order)})
+    itemsize = np.dtype(next(iter(params.values())).dtype).itemsize
+    return classify(layout, {k: tuple(v.shape) for k, v in params.items()}, boxes, rollout_tp, itemsize,
+                    train_mesh=mesh, positions=positions, cfg=cfg, placement=placement, layout_name=layout_name)

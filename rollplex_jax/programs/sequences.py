@@ -77,7 +77,12 @@ def _select(prompts: Prompts, spans, rows) -> tuple[np.ndarray | None, list]:
 
 def repeat_rows(cfg: ModelConfig, prompts: Prompts, g: int) -> Prompts:
     """Each prompt row (with its images and videos) repeated ``g`` times, in row order p0 x g, p1 x g, ..."""
-    rows = np.repeat(np.arange(prompts.batch_size), g)
+    return select_rows(cfg, prompts, np.repeat(np.arange(prompts.batch_size), g))
+
+
+def select_rows(cfg: ModelConfig, prompts: Prompts, rows) -> Prompts:
+    """Prompt rows ``rows`` (in that order, repeats allowed) with their images and videos."""
+    rows = np.asarray(rows, np.int64)
     pix, (img, vid) = _select(prompts, _grid_spans(cfg, prompts), rows)
     return Prompts(input_ids=prompts.input_ids[rows], attention_mask=prompts.attention_mask[rows],
                    pixel_values=pix, image_grid_thw=img, video_grid_thw=vid)

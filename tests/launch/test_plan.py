@@ -148,9 +148,13 @@ def test_cli_32b_plan_fits_80gib_and_beats_naive_colocation():
             assert layout["peaks"][phase] == sum(layout["phases"][phase].values())
         assert layout["peak_bytes"] == max(layout["peaks"].values())
     assert rollplex["phases"]["rollout"]["boundary_kv"] > 0 and naive["phases"]["rollout"]["boundary_kv"] == 0
-    assert out["weight_sharing"]["status"] == "assumption"
-    assert out["weight_sharing"]["rebuilt_bytes_per_device"] < out["weight_sharing"]["naive_copy_bytes_per_device"]
-    assert any("ASSUMPTION" in a and "issue 7" in a for a in out["assumptions"])
+    ws = out["weight_sharing"]  # issue 7: the per-tensor classification replaced the old rebuilt-bytes assumption
+    assert ws["status"] == "classified" and "weight sharing (vllm layout" in r.stdout
+    c = ws["classification"]
+    assert (c["layout"], c["train_mesh"], c["rollout_tp"], c["devices"]) == ("vllm", {"fsdp": 1, "tp": 8}, 4, 8)
+    assert ws["rebuilt_bytes_per_device"] == c["extra_bytes_per_device"] <= ws["naive_copy_bytes_per_device"]
+    assert rollplex["phases"]["rollout"]["rollout_weights"] == c["extra_bytes_per_device"]
+    assert any("per-tensor classification" in a for a in out["assumptions"])
     assert out["smallest_budget"]["bytes"] <= rollplex["peak_bytes"]
 
 

@@ -1,0 +1,238 @@
+"""Multi-process JAX: find out whether this process is one of several, and start `jax.distributed`.
+
+`detect()` is pure (reads only the mapping it is given): explicit `--coordinator_address/--num_processes/
+--process_id` win; otherwise a SLURM job step (`srun`) with more than one task is recognised from its
+environment. `initialize(spec)` then starts JAX's multi-controller runtime (gloo collectives on CPU).
+
+Gotchas this module handles (jax 0.10):
+- `jax.distributed.initialize` left to its own SLURM detection sets `local_device_ids=[SLURM_LOCALID]`,
+  i.e. with one task per node each process would drive GPU 0 only. We resolve everything ourselves and pass
+  `cluster_detection_method="deactivate"`, so a process sees all its local devices unless
+  `local_device_count` says otherwise.
+- Inside an `sbatch` script (the batch step) SLURM_NTASKS is the allocation's task count although only one
+  process runs there; only `srun` steps count (SLURM_STEP_NUM_TASKS / SLURM_STEP_ID), so a single-process run
+  started from the batch script is not mistaken for process 0 of N (it would wait for the others forever).
+- It must run before anything touches a JAX backend (jax.devices(), any array op).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+
+# Port used when neither ROLLPLEX_COORDINATOR_PORT nor JAX_COORDINATOR_PORT is set under SLURM:
+# _PORT_BASE + (job id * 31 + step id) % _PORT_SPAN, an unprivileged range below Linux's ephemeral ports
+# (32768-60999) so that it does not collide with client sockets; all tasks of a step compute the same port.
+_PORT_BASE = 20000
+_PORT_SPAN = 10000
+PORT_ENV = "ROLLPLEX_COORDINATOR_PORT"
+
+
+class DistributedError(ValueError):
+    """Invalid or incomplete multi-process settings (the message names the flag or variable)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSpec:
+    coordinator_address: str  # "host:port" of process 0's coordination service
+    num_processes: int
+    process_id: int
+    local_device_count: int | None = None  # use local devices 0..n-1 only (GPUs); None: all local devices
+    source: str = "flags"  # "flags" or "slurm": where the settings came from (for logs)
+
+    def __post_init__(self):
+        _check_address(self.coordinator_address, "--coordinator_address")
+        if self.num_processes < 1:
+            raise DistributedError(f"--num_processes must be >= 1, got {self.num_processes}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise DistributedError(f"--process_id must be in [0, --num_processes={self.num_processes}), "
+                                   f"got {self.process_id}")
+        if self.local_device_count is not None and self.local_device_count < 1:
+            raise DistributedError(f"local_device_count must be >= 1 or None, got {self.local_device_count}")
+
+
+def _check_address(address: str, name: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DistributedError(f"{name} must be HOST:PORT with a port in 1..65535, got {address!r}")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Splits on commas outside brackets: 'a[1,2],b' -> ['a[1,2]', 'b']."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise DistributedError(f"unbalanced ']' in SLURM host list {text!r}")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise DistributedError(f"unbalanced '[' in SLURM host list {text!r}")
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+def _expand_range_list(body: str, text: str) -> list[str]:
+    out = []
+    for item in body.split(","):
+        lo, dash, hi = item.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise DistributedError(f"bad range {item!r} in SLURM host list {text!r}")
+        if not dash:
+            out.append(lo)
+            continue
+        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+        if int(hi) < int(lo):
+            raise DistributedError(f"descending range {item!r} in SLURM host list {text!r}")
+        out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    return out
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Expands a SLURM host list: 'node[01-03,7],gpu-a[1-2]x' -> node01 node02 node03 node07 gpu-a1x gpu-a2x.
+
+    Several bracket groups in one name give their product ('r[1-2]n[1-2]' -> r1n1 r1n2 r2n1 r2n2), as
+    `scontrol show hostnames` does. Zero padding of the lower bound is kept.
+    """
+    hosts: list[str] = []
+    for part in _split_top_level(text.strip()):
+        names = [""]
+        for m in re.finditer(r"([^\[]*)(?:\[([^\]]*)\])?", part):
+            prefix, body = m.group(1), m.group(2)
+            if not prefix and body is None:
+                continue
+            choices = [prefix] if body is None else [prefix + x for x in _expand_range_list(body, text)]
+            names = [n + c for n in names for c in choices]
+        hosts.extend(names)
+    if not hosts:
+        raise DistributedError(f"empty SLURM host list {text!r}")
+    return hosts
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name, "")
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def default_port(env: Mapping[str, str]) -> int:
+    """The coordinator port for a SLURM step: ROLLPLEX_COORDINATOR_PORT, JAX_COORDINATOR_PORT, or derived from
+    SLURM_JOB_ID and SLURM_STEP_ID (so that two steps of one job, or two jobs sharing a node, differ)."""
+    for name in (PORT_ENV, "JAX_COORDINATOR_PORT"):
+        if env.get(name):
+            port = _env_int(env, name)
+            if not 0 < port < 65536:
+                raise DistributedError(f"{name}={port} is not a port in 1..65535")
+            return port
+    job = _env_int(env, "SLURM_JOB_ID")
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))
+    step_n = int(step) if step.isdigit() else 0
+    return _PORT_BASE + (job * 31 + step_n) % _PORT_SPAN
+
+
+def detect(coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+           env: Mapping[str, str] | None = None, local_device_count: int | None = None) -> DistributedSpec | None:
+    """The multi-process settings of this process, or None for a single-process run.
+
+    Explicit arguments (the --coordinator_address/--num_processes/--process_id flags) win and must be given
+    all three together (num_processes=1 alone means single process). Otherwise, inside a SLURM `srun` step with
+    more than one task: process id SLURM_PROCID, count SLURM_STEP_NUM_TASKS (or SLURM_NTASKS), coordinator the
+    first host of SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST) on `default_port(env)`.
+    """
+    env = os.environ if env is None else env
+    given = {"--coordinator_address": coordinator_address, "--num_processes": num_processes,
+             "--process_id": process_id}
+    if any(v is not None for v in given.values()):
+        if num_processes == 1 and coordinator_address is None and process_id in (None, 0):
+            return None
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            have = [k for k, v in given.items() if v is not None]
+            raise DistributedError(f"{', '.join(have)} given without {', '.join(missing)}: a multi-process run "
+                                   "needs all three (or none, to auto-detect SLURM)")
+        if num_processes == 1:
+            return None
+        return DistributedSpec(coordinator_address, int(num_processes), int(process_id), local_device_count,
+                               source="flags")
+
+    if not env.get("SLURM_JOB_ID"):
+        return None
+    # Only an srun step has SLURM_STEP_ID/SLURM_STEP_NUM_TASKS; in the batch script SLURM_NTASKS counts tasks that
+    # do not exist (yet), so it is a single process there.
+    if "SLURM_STEP_NUM_TASKS" in env:
+        ntasks = _env_int(env, "SLURM_STEP_NUM_TASKS")
+    elif "SLURM_STEP_ID" in env or "SLURM_STEPID" in env:
+        ntasks = _env_int(env, "SLURM_NTASKS") if "SLURM_NTASKS" in env else 1
+    else:
+        return None
+    if ntasks <= 1:
+        return None
+    if "SLURM_PROCID" not in env:
+        raise DistributedError(f"SLURM step with {ntasks} tasks but SLURM_PROCID is not set")
+    procid = _env_int(env, "SLURM_PROCID")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise DistributedError("SLURM step without SLURM_STEP_NODELIST/SLURM_JOB_NODELIST: cannot find the "
+                               "coordinator host; pass --coordinator_address")
+    host = env.get("ROLLPLEX_COORDINATOR_HOST") or expand_hostlist(nodelist)[0]
+    address = f"{host}:{default_port(env)}"
+    if not 0 <= procid < ntasks:
+        raise DistributedError(f"SLURM_PROCID={procid} is not in [0, {ntasks})")
+    return DistributedSpec(address, ntasks, procid, local_device_count, source="slurm")
+
+
+_initialized: DistributedSpec | None = None
+
+
+def initialize(spec: DistributedSpec | None, timeout_s: int = 300) -> tuple[int, int]:
+    """Starts jax.distributed for `spec` (no-op for None) and returns (jax.process_index(), jax.process_count()).
+
+    Idempotent: a second call with the same spec returns the same; a different spec raises. Must run before any
+    JAX computation. `timeout_s` bounds the wait for all processes to connect.
+    """
+    global _initialized
+    import jax
+
+    if spec is None:
+        return jax.process_index(), jax.process_count()
+    if _initialized is not None:
+        if _initialized != spec:
+            raise DistributedError(f"jax.distributed already initialized with {_initialized}, not {spec}")
+        return jax.process_index(), jax.process_count()
+    # CPU cross-process collectives: gloo (the default from jax 0.5 on; older versions default to none, where a
+    # multi-process CPU computation fails). Only affects the CPU client, harmless on GPU.
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:  # very old jax without the option
+        pass
+    kwargs = {}
+    if spec.local_device_count is not None:
+        kwargs["local_device_ids"] = list(range(spec.local_device_count))
+    jax.distributed.initialize(coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
+                               process_id=spec.process_id, cluster_detection_method="deactivate",
+                               initialization_timeout=timeout_s, **kwargs)
+    _initialized = spec
+    index, count = jax.process_index(), jax.process_count()
+    if (index, count) != (spec.process_id, spec.num_processes):
+        raise DistributedError(f"jax.distributed reports process {index} of {count}, expected "
+                               f"{spec.process_id} of {spec.num_processes}")
+    return index, count
+
+
+def shutdown() -> None:
+    """Leaves jax.distributed (if this module started it); lets a process exit without the others' heartbeat
+    timeout."""
+    global _initialized
+    if _initialized is not None:
+        import jax
+
+        jax.distributed.shutdown()
+        _initialized = None

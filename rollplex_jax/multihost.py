@@ -1,0 +1,130 @@
+"""What a step needs when several processes form one JAX job (jax.distributed; ``distributed.py`` starts it).
+
+Every process runs the same program on the same global mesh, and the same host code: the same prompts
+(the sampler is seeded), the same step. Only the rollout is split: process p decodes prompts
+``share(B, p, n)`` with its own engine on its own devices; the rollouts and their rewards are then
+gathered so every process holds the whole batch again (the sampling of each answer is seeded by its
+global prompt index, so the split does not change the answers). Outputs (metrics, summary, plots) are
+written by process 0; checkpoints collectively (orbax).
+
+With one process every function here is the identity (no collective is issued).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from rollout_torch.engine import Rollouts
+
+FINISH = ("stop", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    index: int = 0
+    count: int = 1
+
+    @classmethod
+    def current(cls) -> Processes:
+        return cls(jax.process_index(), jax.process_count())
+
+    @property
+    def many(self) -> bool:
+        return self.count > 1
+
+    @property
+    def writer(self) -> bool:
+        """Whether this process writes the run's files (process 0)."""
+        return self.index == 0
+
+
+def share(n: int, index: int, count: int) -> slice:
+    """Contiguous share of ``n`` items for process ``index`` of ``count`` (sizes differ by at most one)."""
+    edges = np.linspace(0, n, count + 1).round().astype(int)
+    return slice(int(edges[index]), int(edges[index + 1]))
+
+
+def allgather_rows(x: np.ndarray, procs: Processes) -> np.ndarray:
+    """Concatenates every process's ``x`` along dim 0 in process order (shapes may differ in dim 0 only)."""
+    if not procs.many:
+        return x
+    from jax.experimental import multihost_utils
+
+    x = np.asarray(x)
+    counts = multihost_utils.process_allgather(np.array([x.shape[0]], np.int64)).reshape(-1)
+    pad = np.zeros((int(counts.max()) - x.shape[0], *x.shape[1:]), x.dtype)
+    out = multihost_utils.process_allgather(np.concatenate([x, pad]))  # [count, max, ...]
+    return np.concatenate([out[i, :int(c)] for i, c in enumerate(counts)])
+
+
+def gather_rollouts(ro: Rollouts, max_new_tokens: int, pad_id: int, procs: Processes) -> Rollouts:
+    """The whole batch's rollouts from each process's share (answers padded to ``max_new_tokens`` first,
+    then trimmed to the longest)."""
+    if not procs.many:
+        return ro
+    b, g, t = ro.response_ids.shape
+    pad = max_new_tokens - t
+    ids = np.pad(ro.response_ids, ((0, 0), (0, 0), (0, pad)), constant_values=pad_id)
+    logp = np.pad(ro.logprobs, ((0, 0), (0, 0), (0, pad)))
+    reasons = np.array([[FINISH.index(r) for r in row] for row in ro.finish_reasons], np.int32).reshape(b, g)
+    ids, logp, lengths, reasons = (allgather_rows(a, procs) for a in (ids, logp, ro.lengths, reasons))
+    t_max = max(int(lengths.max()), 1)
+    return Rollouts(response_ids=ids[..., :t_max], lengths=lengths, logprobs=logp[..., :t_max],
+                    finish_reasons=[[FINISH[r] for r in row] for row in reasons.tolist()])
+
+
+def any_process(flag: bool, procs: Processes) -> bool:
+    """True when ``flag`` is true in any process (e.g. a stop request that reached only some of them)."""
+    if not procs.many:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.array([int(flag)], np.int32)).max())
+
+
+def host_arrays(tree, procs: Processes):
+    """Numpy copies of a pytree of (possibly multi-process sharded) arrays, identical in every process."""
+    if not procs.many:
+        return jax.tree.map(np.asarray, tree)
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
+
+
+def barrier(name: str, procs: Processes) -> None:
+    """Waits until every process reaches ``name``."""
+    if procs.many:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+class GatheredBinding:
+    """The engine side of a multi-process run: each process's engine decodes on its own device, but the
+    training mesh splits the weights over every process's devices. Before each rollout the params are
+    all-gathered by one XLA program into a replicated copy (the collective runs over the job's transport:
+    gloo on CPU, NCCL on GPU), and the engine binds zero-copy views of that copy's local shard; the copy
+    (all of it engine-only, i.e. rebuilt bytes) lives until ``release``."""
+
+    def __init__(self, engine, mesh):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        self.engine, self._copy = engine, None
+        self._replicate = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+    def bind(self, params) -> None:
+        self._copy = self._replicate(dict(params))
+        jax.block_until_ready(self._copy)
+        self.engine.bind({k: v.addressable_shards[0].data for k, v in self._copy.items()})
+
+    def release(self) -> None:
+        self.engine.release()
+        self._copy = None
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the replicated copy per device (what a rollout in this process holds besides the shards)."""
+        return int(sum(v.nbytes for v in self._copy.values())) if self._copy is not None else 0

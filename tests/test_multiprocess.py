@@ -1,0 +1,86 @@
+"""Two processes x 2 fake CPU devices (jax.distributed, gloo) = one process x 4 devices, for real.
+
+Both runs train on the same (fsdp 2 x tp 2) mesh through ``python -m launch.main``; in the two-process
+run each process decodes half of the prompts with its own engine (answers seeded by their global prompt
+index), the rollouts and rewards are gathered, metrics and the summary are written once (process 0),
+checkpoints collectively. Stated tolerance: the same params_sha256 (bit-identical params) and the same
+metrics within rtol 1e-6 (the programs and their partitioning are the same; only the collectives'
+transport differs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.paths import REPO
+
+SKIP = ("time/", "memory/")
+FLAGS = ["--flagfile=configs/tiny_cpu.flags", "--steps=2", "--train_fsdp=2", "--train_tp=2", "--batch_prompts=4",
+         "--group_size=4", "--micro_batch=8", "--synthetic_n=64", "--eval_n=16", "--checkpoint_every=1",
+         "--noprogress", "--reward=launch.bench_reward:varied_reward", "--nomeasure_memory"]
+
+
+def _env(devices: int) -> dict:
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                TOKENIZERS_PARALLELISM="false")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(workdir) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    one = tmp_path_factory.mktemp("one_process")
+    two = tmp_path_factory.mktemp("two_processes")
+    cmd = [sys.executable, "-m", "launch.main", *FLAGS]
+    port = _free_port()
+    procs = [subprocess.Popen([*cmd, f"--workdir={two}", f"--coordinator_address=127.0.0.1:{port}",
+                               "--num_processes=2", f"--process_id={i}"], cwd=REPO, env=_env(2),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        single = subprocess.run([*cmd, f"--workdir={one}"], cwd=REPO, env=_env(4), capture_output=True, text=True,
+                                timeout=600)
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert single.returncode == 0, single.stderr[-3000:]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return one, two, json.loads(single.stdout.strip().splitlines()[-1]), [json.loads(o.strip().splitlines()[-1])
+                                                                           for o, _ in outs]
+
+
+def test_two_processes_train_exactly_like_one(runs):
+    one, two, single, multi = runs
+    assert multi[0]["params_sha256"] == multi[1]["params_sha256"] == single["params_sha256"]
+    assert multi[0]["steps_done"] == single["steps_done"] == 2
+    assert multi[0]["eval/greedy_accuracy"] == single["eval/greedy_accuracy"]
+    m1, m2 = _metrics(one), _metrics(two)
+    assert len(m1) == len(m2) == 2  # written once, by process 0
+    for a, b in zip(m1, m2, strict=True):
+        for k in a:
+            if not k.startswith(SKIP):
+                np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-9, err_msg=k)
+
+
+def test_outputs_written_once_and_checkpoints_collectively(runs):
+    _, two, _, _ = runs
+    summary = json.load(open(os.path.join(two, "run_summary.json")))
+    assert summary["processes"] == 2 and summary["steps_done"] == 2
+    assert sorted(os.listdir(os.path.join(two, "checkpoints"))) == ["1", "2"]
