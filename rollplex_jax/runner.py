@@ -177,6 +177,17 @@ class Runner:
                                                  max_prompt_len=d.max_prompt_len, log=self.log)
         return examples, report
 
+    def _sharing_summary(self) -> dict:
+        """The engine's sharing report; in a multi-process run the engine views an all-gathered copy, so
+        every byte it reads is rebuilt (engine-only), whatever the per-tensor classification of that copy."""
+        out = self.engine.sharing_report().to_dict()
+        if self.procs.many:
+            total = sum(out["bytes"].values())
+            out["multi_process"] = {"gathered_copy_bytes": total, "note": (
+                "each process's engine reads a replicated copy all-gathered before every rollout "
+                "(multihost.GatheredBinding): all of it is rebuilt; the counts above classify that copy")}
+        return out
+
     def _bindable(self):
         """What the weight publisher binds: the engine, or in a multi-process run the engine behind an
         all-gather of the params (multihost.GatheredBinding)."""
@@ -329,7 +340,7 @@ class Runner:
             "skipped_steps/nonfinite": sum(h.get("skipped_steps/nonfinite", 0) for h in self.history),
             **ev,
             "params_sha256": self.params_sha256(),
-            "weight_sharing": self.engine.sharing_report().to_dict(),
+            "weight_sharing": self._sharing_summary(),
             "memory": self.memory_report(),
             "data": {"train": self.train_report.to_dict()},
             "wall_s": time.perf_counter() - self._t0,

@@ -3,26 +3,32 @@
 ``simulate(cfg, hw, lengths, devices)`` -> ``Simulation`` (per schedule: phases in seconds, step time,
 spans for a Gantt chart). Reuses the planner's ``Lengths``, ``_Mesh``, ``param_counts`` and
 ``ProgramModel``. Hardware: ``rollplex_jax.hardware`` (presets and the CPU probe; its docstring lists
-the datasheet numbers, efficiency factors and the constants fitted on this CPU).
+the datasheet numbers, efficiency factors and the probes that measure this CPU).
 
-Cost of a program (per device): t = F / (peak x mfu) + E / ew_bw + ops x op_overhead + comm, with
+Cost of a program (per device): t = F / (peak x mfu) + E / ew_bw + A / att_bw + ops x op_overhead + comm
+(a backward's E + A at ``hw.backward_bw`` where the preset measures one: the CPU preset), with
 - F: matmul FLOPs. Forward per text token 2 x (linear params of the decoder layers) + attention
   4 H d tk_avg per layer (causal self part averaged: tk_avg = keys before it + t/2), lm head 2 D V per
-  token whose logits are needed; per vision patch 2 x (linear params of a block) x depth + 4 dv s
-  (s: patches it attends: dense programs = every patch of the call, flash = the window (full-attention
-  blocks: the image)); merger 2 x its params per merged token. Backward = 2 x forward FLOPs;
-  ``remat='layer'`` adds one forward.
-- E: elementwise bytes: per token per layer (10 D + 4 F) x dtype bytes (norms, residuals, SwiGLU,
-  rotary), per patch per block (10 dv + 4 Fv) x b; dense attention adds 16 B per score element
-  forward, 13 B per element saved for the backward (planner: fp32 scores and probs, cast probs, mask),
-  32 B per element backward.
+  token whose logits are needed; per vision patch the patch embedding 2 x patch_dim x Dv, 2 x (linear
+  params of a block) x depth + 4 dv s (s: patches it attends: the window, full-attention blocks the
+  image); merger 2 x its params per merged token. Backward = 2 x forward FLOPs (1 x for the patch
+  embedding: no input gradient); ``remat='layer'`` adds one forward.
+- E, A: elementwise and attention-score bytes. Flash programs (GPU at scale): per token per layer
+  (10 D + 4 F) x dtype bytes (norms, residuals, SwiGLU, rotary), per patch per block (10 dv + 4 Fv) x b
+  + the pixels read (patch_dim x 4 B), A = 0; backward FLASH_EW_BWD x forward. Dense programs (today's
+  JAX programs, the CPU preset): the bytes XLA's cost_analysis() counts, DENSE_* constants below
+  (measured by compiling the real programs; tests/test_simulator.py checks them within 20%).
+- input assembly (host, ``hw.host_copy_bw`` > 0 only: CPU): the patch bytes of the rows scored (B x G
+  serial / disaggregated / overlap_only, B with prefix sharing) / host_copy_bw, on the critical path.
 - ops: kernels per layer (forward 16, backward 2x), per vision block 16, x micro-batches.
 - comm (training): TP all-reduces 4 (tp-1)/tp x tokens x D x b per layer forward (x2 backward) over
   NVLink; FSDP all-gather of the weights per forward and backward, reduce-scatter of gradients.
 
 Phases:
 - rollout (engine replicas of ``rollout_tp`` devices, rows = B G / replicas, waves of ``max_batch``):
-  prefill = prefill_fixed + images x engine_image_s + F_prefill / (rollout_tp x peak x mfu_prefill);
+  prefill = prefill_fixed + F_prefill / (rollout_tp x peak x mfu_prefill); engine vision = images x
+  (engine_image_s + patches x engine_patch_s) where the patch cost is measured (CPU), else images x
+  engine_image_s + its FLOPs / (rollout_tp x peak x mfu_prefill) + bytes / ew_bw;
   decode = waves x Tr_max x max(step floor, weight bytes / rollout_tp / (hbm x decode_bw_eff))
            + rows x Tr_mean x (KV bytes read per token at mean context + F per token / peak)
   i.e. the batch steps until its LONGEST answer (Tr_max) while the KV reads and FLOPs follow the
@@ -38,10 +44,10 @@ Phases:
 - weight sync: serial / disaggregated: the engine gets a full copy (P b / rollout_tp per device) each
   step, over NVLink (colocated: reshard) or the network (disaggregated: train pool -> rollout pool);
   rollplex: only the rebuilt part (planner's rule max(0, P/rollout_tp - P/(fsdp tp)) b per device).
-- host: ``hw.host_step_s`` per step (rewards, scheduling, barriers).
+- host: ``hw.host_step_s`` per step (rewards, scheduling, barriers) + input assembly (above).
 
 Schedules:
-- serial: host + sync + rollout + reference(full) + actor(full fwd+bwd) + update.
+- serial: host + input assembly + sync + rollout + reference(full) + actor(full fwd+bwd) + update.
 - rollplex: host + sync(rebuilt) + overlap(rollout, prefix) + ref suffix + actor suffix/prefix bwd +
   update; ``overlap_only`` = no prefix sharing, ``sharing_only`` = no overlap (prefix after decode).
 - overlap (``overlap_stage``): the prefix programs run at (1 - decode_util) of their speed during the
@@ -72,34 +78,56 @@ from rollplex_jax.planner import (
 )
 
 SCHEDULES = ("serial", "rollplex", "overlap_only", "sharing_only", "disaggregated")
-PHASES = ("host", "weight_sync", "prefill", "decode", "vision", "ref_prefix", "actor_prefix", "reference",
+PHASES = ("host", "input_prep", "weight_sync", "prefill", "decode", "vision", "ref_prefix", "actor_prefix", "reference",
           "actor_fwd", "actor_bwd", "update")
 OPS_PER_LAYER = 16
-# Dense attention: nominal bytes per [heads, Tq, Tk] score element (units of the CPU probe's softmax:
-# 8 B = one read + one write). Forward 8 (scores, mask, softmax, cast: ~one softmax pass), saved for the
-# backward 13 (planner: fp32 scores + probs, cast probs, mask), backward 24. FITTED ONCE on bench_cpu
-# (reference forward 0.085 s and actor forward+backward 0.349 s over 32 rows = 3,200 patches in one
-# dense vision call): 16 / 13 / 32 (bytes actually touched) over-predicted both by ~1.6x; 8 / 13 / 20 fit.
-ATT_FWD, ATT_SAVED, ATT_BWD = 8, 13, 20
+# Elementwise bytes of the DENSE program model (today's JAX programs, as XLA compiles them on CPU): the
+# bytes XLA's cost_analysis() counts ("bytes accessed": every fusion's operands and outputs), measured
+# 2026-11-30 on the demo model (fp32) by compiling the real programs (prefix_forward, actor._logprobs,
+# their jax.grad, vision_forward) at several shapes and separating the parts that scale with the
+# attention score count from the rest (tokens / patches held fixed):
+# - text attention, per [head, query, key] score element and layer: forward 32 B, backward 56 B;
+# - vision attention, per score element: forward 16 B, backward 56 B;
+# - the rest, per token and layer: 2.8 x (10 D + 4 F) x dtype bytes; per patch and block 2.1 x
+#   (10 Dv + 4 Fv) x dtype bytes, plus the patch embedding's pixel read (patch_dim x 4 B, fp32 pixels);
+# - backward of the rest: 3.3 x its forward's bytes.
+# Together these reproduce cost_analysis() of every bench_cpu program within ~15% (tests/test_simulator.py).
+# The flash model (GPU at scale: fused kernels) keeps the bytes fused kernels touch: (10 D + 4 F) b per
+# token and layer, no score tensors.
+DENSE_TEXT_ATT_FWD, DENSE_VIS_ATT_FWD, DENSE_ATT_BWD = 32, 16, 56
+DENSE_TEXT_EW, DENSE_VIS_EW, DENSE_EW_BWD = 2.8, 2.1, 3.3
+FLASH_EW_BWD = 20 / 21  # flash: backward elementwise bytes / forward's (unchanged since the first model)
 _B = {"float32": 4, "bfloat16": 2}
 
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    flops: float = 0.0
-    ew_bytes: float = 0.0
+    flops: float = 0.0  # matmul FLOPs
+    ew_bytes: float = 0.0  # elementwise bytes (norms, activations, residuals, ...) at hw.ew_bw
     ops: float = 0.0
     comm_bytes: float = 0.0
+    att_bytes: float = 0.0  # dense attention score bytes (softmax-class traffic) at hw.att_bw
+    embed_flops: float = 0.0  # part of ``flops`` whose input needs no gradient (patch embedding): bwd 1x
+    att_elems: float = 0.0  # dense attention score elements (sets the backward's score bytes)
 
     def __add__(self, o: Cost) -> Cost:
-        return Cost(self.flops + o.flops, self.ew_bytes + o.ew_bytes, self.ops + o.ops, self.comm_bytes + o.comm_bytes)
+        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o), strict=True)))
 
     def scale(self, k: float, ops: float | None = None) -> Cost:
-        return Cost(self.flops * k, self.ew_bytes * k, self.ops * (k if ops is None else ops), self.comm_bytes * k)
+        out = Cost(*(a * k for a in dataclasses.astuple(self)))
+        return out if ops is None else dataclasses.replace(out, ops=self.ops * ops)
 
 
-def time_of(c: Cost, hw: Hardware, dtype: str, mfu: float, comm_bw: float | None = None) -> float:
-    return (c.flops / (hw.flops(dtype) * mfu) + c.ew_bytes / hw.ew_bw + c.ops * hw.op_overhead_s
+def time_of(c: Cost, hw: Hardware, dtype: str, mfu: float, comm_bw: float | None = None,
+            backward: bool = False) -> float:
+    rate = hw.bytes_rate(c.ew_bytes + c.att_bytes, backward)
+    if rate:  # measured per working set (CPU): one rate for all the bytes of this call
+        mem = (c.ew_bytes + c.att_bytes) / rate
+    elif backward and hw.backward_bw:
+        mem = (c.ew_bytes + c.att_bytes) / hw.backward_bw
+    else:
+        mem = c.ew_bytes / hw.ew_bw + c.att_bytes / hw.att_bw
+    return (c.flops / (hw.flops(dtype) * mfu) + mem + c.ops * hw.op_overhead_s
             + c.comm_bytes / (comm_bw or hw.intra_bw))
 
 
@@ -116,22 +144,25 @@ def _vision_linear_block(cfg: Config) -> float:
 
 def text_forward(cfg: Config, rows: float, t: float, past: float, logits_tokens: float, pm: ProgramModel,
                  saved: bool = False) -> Cost:
-    """Decoder forward over rows x t tokens attending ``past`` earlier keys + causal self (whole model)."""
+    """Decoder forward over rows x t tokens attending ``past`` earlier keys + causal self (whole model).
+    ``saved`` is kept for callers (the dense model's backward bytes include what the forward saves)."""
     x, b = cfg.model.text, _B[cfg.model.dtype]
     L, D, F, H, d, V = (x.num_hidden_layers, x.hidden_size, x.intermediate_size, x.num_attention_heads,
                         x.head_dim, x.vocab_size)
     tok = rows * t
     flops = tok * L * (2 * _text_linear(cfg) + 4 * H * d * (past + t / 2)) + rows * logits_tokens * 2 * D * V
     ew = tok * L * (10 * D + 4 * F) * b + rows * logits_tokens * V * 4 * 3
+    att = 0.0
     if pm.attention == "dense":
-        ew += rows * L * H * t * (past + t) * (ATT_FWD + (ATT_SAVED if saved else 0))
-    return Cost(flops, ew, L * OPS_PER_LAYER + 8)
+        ew = tok * L * (10 * D + 4 * F) * b * DENSE_TEXT_EW + rows * logits_tokens * V * 4 * 3
+        att = rows * L * H * t * (past + t)
+    return Cost(flops, ew, L * OPS_PER_LAYER + 8, att_bytes=att * DENSE_TEXT_ATT_FWD, att_elems=att)
 
 
 def vision_forward(cfg: Config, images: float, patches_per_image: float, pm: ProgramModel, saved: bool = False,
                    per_call_images: float | None = None) -> Cost:
-    """Vision tower over ``images`` images of n patches (``per_call_images`` is kept for callers; attention is
-    per window / per image in every program model)."""
+    """Vision tower over ``images`` images of n patches (``per_call_images`` and ``saved`` are kept for
+    callers; attention is per window / per image in every program model)."""
     if images <= 0 or patches_per_image <= 0:
         return Cost()
     v, b = cfg.model.vision, _B[cfg.model.dtype]
@@ -144,19 +175,29 @@ def vision_forward(cfg: Config, images: float, patches_per_image: float, pm: Pro
     s = (full * n + (v.depth - full) * min(n, win)) / v.depth
     unit = v.spatial_merge_size**2
     mm = v.hidden_size * unit
+    embed = total * 2 * v.patch_dim * v.hidden_size  # patch embedding (a Conv3d with stride = kernel)
     flops = total * v.depth * (2 * _vision_linear_block(cfg) + 4 * v.hidden_size * s) \
-        + (total / unit) * 2 * (mm * mm + mm * v.out_hidden_size)
-    ew = total * v.depth * (10 * v.hidden_size + 4 * v.intermediate_size) * b
+        + (total / unit) * 2 * (mm * mm + mm * v.out_hidden_size) + embed
+    ew = total * v.depth * (10 * v.hidden_size + 4 * v.intermediate_size) * b + total * v.patch_dim * 4
+    att = 0.0
     if pm.attention == "dense":
-        ew += total * v.depth * v.num_heads * s * (ATT_FWD + (ATT_SAVED if saved else 0))
-    return Cost(flops, ew, v.depth * OPS_PER_LAYER + 8)
+        ew = total * v.depth * (10 * v.hidden_size + 4 * v.intermediate_size) * b * DENSE_VIS_EW \
+            + total * v.patch_dim * 4
+        att = total * v.depth * v.num_heads * s
+    return Cost(flops, ew, v.depth * OPS_PER_LAYER + 8, att_bytes=att * DENSE_VIS_ATT_FWD, embed_flops=embed,
+                att_elems=att)
 
 
 def backward_of(fwd: Cost, pm: ProgramModel, cfg: Config) -> Cost:
-    """Backward = 2x forward FLOPs and ops; elementwise bytes ATT_BWD / (ATT_FWD + ATT_SAVED) x the saving
-    forward's (dense attention dominates them where they matter); remat='layer' recomputes the forward once."""
+    """Backward: 2x forward FLOPs (1x for the patch embedding: no input gradient) and 2x ops; bytes: dense
+    programs DENSE_EW_BWD x the forward's elementwise bytes and DENSE_ATT_BWD bytes per score element
+    (module constants), flash FLASH_EW_BWD x the forward's bytes; remat='layer' recomputes the forward once."""
     extra = fwd if pm.remat == "layer" else Cost()
-    return Cost(2 * fwd.flops, fwd.ew_bytes * ATT_BWD / (ATT_FWD + ATT_SAVED), 2 * fwd.ops, 2 * fwd.comm_bytes) + extra
+    if pm.attention == "dense":
+        ew, att = fwd.ew_bytes * DENSE_EW_BWD, fwd.att_elems * DENSE_ATT_BWD
+    else:
+        ew, att = fwd.ew_bytes * FLASH_EW_BWD, 0.0
+    return Cost(2 * fwd.flops - fwd.embed_flops, ew, 2 * fwd.ops, 2 * fwd.comm_bytes, att) + extra
 
 
 def _comm(cfg: Config, mesh: _Mesh, tokens_dev: float, weights: float, passes: int) -> float:
@@ -258,8 +299,11 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
         vis = vision_forward(cfg, rows if Tv else 0, n_img, DEFAULT_PROGRAMS)
         t_pf = hw.prefill_fixed_s * waves + pf.flops / (rtp * hw.flops(dt) * hw.mfu_prefill) \
             + pf.ew_bytes / rtp / hw.ew_bw
-        t_vis = (rows if Tv else 0) * hw.engine_image_s + vis.flops / (rtp * hw.flops(dt) * hw.mfu_prefill) \
-            + vis.ew_bytes / rtp / hw.ew_bw
+        t_vis = (rows if Tv else 0) * hw.engine_image_s
+        if hw.engine_patch_s:  # measured per patch (CPU probe): replaces the FLOP / byte estimate
+            t_vis += (rows if Tv else 0) * n_img * hw.engine_patch_s
+        else:
+            t_vis += vis.flops / (rtp * hw.flops(dt) * hw.mfu_prefill) + vis.ew_bytes / rtp / hw.ew_bw
         kv_tok = x.num_hidden_layers * 2 * max(1, math.ceil(x.num_key_value_heads / rtp)) * x.head_dim * b
         w_step = max(hw.decode_step_floor_s, text_P * b / rtp / (hw.hbm_bw * hw.decode_bw_eff))
         per_tok = kv_tok * (Tp + Tm / 2) / (hw.hbm_bw * hw.decode_bw_eff) \
@@ -271,8 +315,9 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
         """Seconds of reference / actor work on a pool of n_dev devices (the training mesh scaled)."""
         tm = tm or dataclasses.replace(mesh, devices=n_dev)
 
-        def tt(c: Cost, _hw, _dt, mfu: float) -> float:  # tensor parallelism divides compute and bytes by tp
-            return time_of(Cost(c.flops / tm.tp, c.ew_bytes / tm.tp, c.ops, c.comm_bytes), hw, dt, mfu)
+        def tt(c: Cost, _hw, _dt, mfu: float, backward: bool = False) -> float:  # tp divides compute and bytes
+            return time_of(Cost(c.flops / tm.tp, c.ew_bytes / tm.tp, c.ops, c.comm_bytes, c.att_bytes / tm.tp), hw, dt,
+                           mfu, backward=backward)
         bs = n_dev // tm.tp
         n_mb = max(1, math.ceil(B * G / min(cfg.rl.micro_batch, B * G)))
         rows_mb = B * G / n_mb / bs  # rows per device per micro-batch
@@ -286,7 +331,7 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
             fwd_s = dataclasses.replace(fwd_s, comm_bytes=fwd.comm_bytes)
             out["reference"] = n_mb * tt(fwd, hw, dt, hw.mfu_forward) if use_ref else 0.0
             out["actor_fwd"] = n_mb * tt(fwd_s, hw, dt, hw.mfu_forward)
-            out["actor_bwd"] = n_mb * tt(backward_of(fwd_s, pm, cfg), hw, dt, hw.mfu_backward)
+            out["actor_bwd"] = n_mb * tt(backward_of(fwd_s, pm, cfg), hw, dt, hw.mfu_backward, True)
             return out
         rows_p = (B if sharing else B * G) / bs
         vis_in = not cfg.optim.freeze_vision
@@ -304,8 +349,8 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
         out["reference"] = tt(suf, hw, dt, hw.mfu_forward) if use_ref else 0.0
         out["actor_fwd"] = tt(suf_s, hw, dt, hw.mfu_forward)
         pre_bwd = backward_of(a_pre + (vis if vis_in else Cost()), pm, cfg)
-        out["actor_bwd"] = tt(backward_of(suf_s, pm, cfg) + pre_bwd.scale(1.0, ops=0), hw, dt,
-                                   hw.mfu_backward)
+        out["actor_bwd"] = tt(backward_of(suf_s, pm, cfg) + pre_bwd.scale(1.0, ops=0), hw, dt, hw.mfu_backward,
+                              True)
         return out
 
     def update(n_dev: int) -> float:
@@ -336,6 +381,7 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
             return start + dur
 
         t = lane("host", "host", ph["host"], t)
+        t = lane("host", "input_prep", ph["input_prep"], t)
         t = lane("weights", "weight_sync", ph["weight_sync"], t)
         t = lane("rollout", "prefill", ph["prefill"], t)
         t_roll_vis = phases.get("engine_vision", 0.0)
@@ -368,11 +414,20 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
             ph["transfer"] = phases["transfer"]
         return Schedule(name, ph, t, spans)
 
+    def input_prep(rows: float) -> float:
+        """Host-side assembly of ``rows`` model-input rows (their patches gathered and put on the device), when
+        it is on the critical path (``hw.host_copy_bw`` > 0: today's runtime on CPU)."""
+        if not hw.host_copy_bw or not Tv:
+            return 0.0
+        return rows * n_img * v.patch_dim * 4 / hw.host_copy_bw
+
     base = {"host": hw.host_step_s, "prefill": t_pf, "engine_vision": t_vis, "decode": t_dec, "update": upd}
-    scheds["serial"] = build("serial", {**base, "weight_sync": sync_coloc, **training(D, False, False)}, False)
+    scheds["serial"] = build("serial", {**base, "input_prep": input_prep(B * G), "weight_sync": sync_coloc,
+                                        **training(D, False, False)}, False)
     for name, sharing, overlap in (("rollplex", True, True), ("overlap_only", False, True),
                                    ("sharing_only", True, False)):
-        scheds[name] = build(name, {**base, "weight_sync": sync_rollplex, **training(D, sharing, True)}, overlap)
+        scheds[name] = build(name, {**base, "input_prep": input_prep(B if sharing else B * G),
+                                    "weight_sync": sync_rollplex, **training(D, sharing, True)}, overlap)
     # disaggregated: pools of split x D (rollout) and the rest (training)
     d_r = max(mesh.rollout_tp, int(round(D * disagg_split / mesh.rollout_tp)) * mesh.rollout_tp)
     d_t = D - d_r
@@ -387,7 +442,8 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
     r_pf, r_vis, r_dec = rollout(d_r)
     transfer = full_copy / hw.inter_bw if D > 1 else 0.0
     scheds["disaggregated"] = build("disaggregated", {
-        "host": hw.host_step_s, "prefill": r_pf, "engine_vision": r_vis, "decode": r_dec, "transfer": transfer,
+        "host": hw.host_step_s, "input_prep": input_prep(B * G), "prefill": r_pf, "engine_vision": r_vis,
+        "decode": r_dec, "transfer": transfer,
         "update": update(d_t), **training(d_t, False, False, train_mesh)}, False)
     scheds["disaggregated"].notes = f"rollout pool {d_r} devices, training pool {d_t}; synchronous, not pipelined"
 
@@ -407,7 +463,10 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
         f"weight sync per step: serial/disaggregated a full engine copy ({full_copy / 1e9:.2f} GB per device; "
         f"NVLink colocated, network disaggregated), rollplex only the rebuilt part ({rebuilt / 1e9:.2f} GB, planner)",
         f"disaggregated: {d_r} rollout + {d_t} training devices, synchronous on-policy, not pipelined",
-        f"host work {hw.host_step_s} s per step",
+        f"host work {hw.host_step_s} s per step" + (f"; input assembly on the critical path at "
+                                                     f"{hw.host_copy_bw / 1e9:.2g} GB/s (patch bytes of the rows "
+                                                     "scored: B x G serial, B' rollplex)" if hw.host_copy_bw
+                                                     else "; input assembly off the critical path"),
         *notes,
     ]
     details = {"rollout_rows_per_replica": math.ceil(B * G / max(1, D // mesh.rollout_tp)),
@@ -426,7 +485,7 @@ TABLE_SCHEDULES = SCHEDULES
 
 def table(sim: Simulation) -> str:
     names = TABLE_SCHEDULES
-    keys = [*PHASES[:3], "engine_vision", *PHASES[3:], "transfer", "decode_slowdown"]
+    keys = [*PHASES[:4], "engine_vision", *PHASES[4:], "transfer", "decode_slowdown"]
     w = 16
     lines = [f"{'phase (s)':<{w}}" + "".join(f"{n:>15}" for n in names)]
     for k in keys:

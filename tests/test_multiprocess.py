@@ -83,4 +83,5 @@ def test_outputs_written_once_and_checkpoints_collectively(runs):
     _, two, _, _ = runs
     summary = json.load(open(os.path.join(two, "run_summary.json")))
     assert summary["processes"] == 2 and summary["steps_done"] == 2
+    assert summary["weight_sharing"]["multi_process"]["gathered_copy_bytes"] > 0
     assert sorted(os.listdir(os.path.join(two, "checkpoints"))) == ["1", "2"]
