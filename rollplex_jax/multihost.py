@@ -123,8 +123,3 @@ class GatheredBinding:
     def release(self) -> None:
         self.engine.release()
         self._copy = None
-
-    @property
-    def gathered_bytes(self) -> int:
-        """Bytes of the replicated copy per device (what a rollout in this process holds besides the shards)."""
-        return int(sum(v.nbytes for v in self._copy.values())) if self._copy is not None else 0
