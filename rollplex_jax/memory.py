@@ -4,7 +4,8 @@ Buffer classes, phases and default policies are in ``memory_classes`` (shared wi
 This module
 - moves pytrees between device memory and host memory (JAX memory kinds ``device`` and
   ``pinned_host``): the optimizer state's ``offload`` policy (programs/optimizer.py);
-- measures, per phase of each step, the live device bytes of each class: ``MemoryMeter.mark``
+- measures, per phase of each step, the live device bytes of each class on the busiest device
+  (one device: that device; a mesh: the per-device figure the planner predicts): ``MemoryMeter.mark``
   takes the arrays the scheduler holds by class at the end of a phase (while the phase's inputs
   and outputs are both alive; the step's model inputs as ``other``), de-duplicated by (device,
   buffer pointer); every other live device array of the process is reported apart as
@@ -79,12 +80,15 @@ def device_bytes(tree) -> int:
     return sum(seen.values())
 
 
-def live_by_class(named: dict[str, Any]) -> tuple[dict[str, int], int]:
-    """(device bytes per class of the given pytrees, bytes of every other live device array).
+def live_by_class(named: dict[str, Any], extra: dict[str, int] | None = None) -> tuple[dict[str, int], int]:
+    """(device bytes per class on the busiest device, bytes of every other live array on that device).
 
-    A buffer named under several classes counts once, in the first (callers list weights first, so a
-    residual that is a parameter buffer counts as weights). The second figure is process-wide (another
-    runner's arrays in the same notebook count there), so it is reported apart, not in a run's peak.
+    Per device: a buffer named under several classes counts once, in the first (callers list weights
+    first, so a residual that is a parameter buffer counts as weights); ``extra`` adds bytes per class on
+    the first local device (the torch engine's own tensors live there). The busiest device is the one
+    whose named bytes are largest: on one device that device, on a mesh the figure the planner's
+    per-device plan predicts. The second figure is process-wide on that device (another runner's arrays
+    in the same notebook count there), so it is reported apart, not in a run's peak.
     """
     owner: dict = {}
     for cls, tree in named.items():
@@ -93,15 +97,20 @@ def live_by_class(named: dict[str, Any]) -> tuple[dict[str, int], int]:
         for a in _leaves(tree):
             for key, n in _buffers(a):
                 owner.setdefault(key, (cls, n))
-    out = {cls: 0 for cls in named}
-    for cls, n in owner.values():
-        out[cls] += n
+    per_device: dict[int, dict[str, int]] = {}
+    for (dev, _), (cls, n) in owner.items():
+        row = per_device.setdefault(dev, dict.fromkeys(named, 0))
+        row[cls] += n
+    first = per_device.setdefault(jax.local_devices()[0].id, dict.fromkeys(named, 0))
+    for cls, n in (extra or {}).items():
+        first[cls] = first.get(cls, 0) + n
+    busiest = max(per_device, key=lambda d: sum(per_device[d].values()))
     rest = {}
     for a in jax.live_arrays():
         for key, n in _buffers(a):
-            if key not in owner:
+            if key not in owner and key[0] == busiest:
                 rest[key] = n
-    return out, sum(rest.values())
+    return per_device[busiest], sum(rest.values())
 
 
 def temp_bytes(fn, *args) -> int:
@@ -162,11 +171,10 @@ class MemoryMeter:
         if not self.enabled:
             return
         rec = self._record(phase)
-        by_class, rest = live_by_class({k: v for k, v in classes.items() if v is not None})
-        rec.unattributed = max(rec.unattributed, rest)
         engine = int(self.engine_bytes())
-        if engine:
-            by_class["rollout_weights"] = by_class.get("rollout_weights", 0) + engine
+        by_class, rest = live_by_class({k: v for k, v in classes.items() if v is not None},
+                                       {"rollout_weights": engine} if engine else None)
+        rec.unattributed = max(rec.unattributed, rest)
         total = sum(by_class.values())
         if total >= sum(rec.by_class.values()):
             rec.by_class = by_class

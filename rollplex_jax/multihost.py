@@ -17,7 +17,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from rollout_torch.engine import Rollouts
+from rollplex_contract.batch import Rollouts
 
 FINISH = ("stop", "length")
 
@@ -102,24 +102,20 @@ def barrier(name: str, procs: Processes) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-class GatheredBinding:
-    """The engine side of a multi-process run: each process's engine decodes on its own device, but the
-    training mesh splits the weights over every process's devices. Before each rollout the params are
-    all-gathered by one XLA program into a replicated copy (the collective runs over the job's transport:
-    gloo on CPU, NCCL on GPU), and the engine binds zero-copy views of that copy's local shard; the copy
-    (all of it engine-only, i.e. rebuilt bytes) lives until ``release``."""
+class ReplicatedCopy:
+    """What a multi-process run's engine reads: each process's engine decodes on its own device, but the
+    training mesh splits the weights over every process's devices. Called with the params before each
+    rollout (``sharing.WeightPublisher(gather=...)``), it all-gathers them by one XLA program into a
+    replicated copy (the collective runs over the job's transport: gloo on CPU, NCCL on GPU) and returns
+    that copy's local shards, single-device arrays the engine views zero-copy; the publisher holds them
+    (all of it engine-only, i.e. rebuilt bytes) until ``release``."""
 
-    def __init__(self, engine, mesh):
+    def __init__(self, mesh):
         from jax.sharding import NamedSharding, PartitionSpec
 
-        self.engine, self._copy = engine, None
         self._replicate = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
-    def bind(self, params) -> None:
-        self._copy = self._replicate(dict(params))
-        jax.block_until_ready(self._copy)
-        self.engine.bind({k: v.addressable_shards[0].data for k, v in self._copy.items()})
-
-    def release(self) -> None:
-        self.engine.release()
-        self._copy = None
+    def __call__(self, params) -> dict:
+        copy = self._replicate(dict(params))
+        jax.block_until_ready(copy)
+        return {k: v.addressable_shards[0].data for k, v in copy.items()}

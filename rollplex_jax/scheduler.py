@@ -1,13 +1,16 @@
-"""One RL step per schedule.
+"""One RL step per schedule: the data flow of a step, as calls.
 
-``serial`` (the baseline every speedup is measured against, and the oracle of every
-equivalence test): rollout in torch over views of theta_k -> rewards -> reference
-log-probs over full sequences -> advantages -> actor forward/backward over full
-sequences in micro-batches -> optax update (donating params and optimizer state).
+``serial_step`` (the baseline every speedup is measured against, and the oracle of every
+equivalence test): rollout in torch over views of theta_k -> rewards -> reference log-probs over
+full sequences -> advantages -> actor forward/backward over full sequences in micro-batches ->
+optax update (donating params and optimizer state). ``rollplex_step``: the same update through the
+prefix/suffix split, the prefix programs dispatched while the rollout decodes (``--overlap``). What
+differs between the two is an ``Ops`` object (``step_ops.py``); this module runs the shared order.
 
-Barriers: the engine's views of theta_k are released before any program that donates
-theta_k runs; a batch whose advantages are all zero skips the optimizer (LEARNING.md:
-otherwise AdamW drifts on noise), and so does a non-finite gradient norm.
+Barriers: the engine's views of theta_k are released before any program that donates theta_k runs;
+a batch whose advantages are all zero skips the optimizer (LEARNING.md: otherwise AdamW drifts on
+noise), and so does a non-finite gradient norm. The reference runs only when the KL matters
+(``RlConfig.uses_reference``).
 """
 
 from __future__ import annotations
@@ -22,26 +25,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rollout_torch.engine import Engine, Prompts, Rollouts, SamplingParams
+from rollplex_contract.batch import Engine, Prompts, Rollouts, SamplingParams
 from rollplex_jax.config import Config
-from rollplex_jax.models.qwen2_5_vl.model import prepare_inputs
 from rollplex_jax.multihost import Processes, allgather_rows, gather_rollouts, share
 from rollplex_jax.programs.actor import Programs
-from rollplex_jax.programs.sequences import micro_batches, repeat_rows, select_rows
+from rollplex_jax.programs.sequences import mini_batch_rows, select_rows
 from rollplex_jax.rl import advantages as adv_lib
 from rollplex_jax.rl import losses
 from rollplex_jax.sharing import WeightPublisher
+from rollplex_jax.step_ops import Ops, RollplexOps, SerialOps
 from rollplex_jax.trace import Tracer
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Actor params theta_k, optimizer state, and the frozen reference params."""
+    """Actor params theta_k, optimizer state, and the frozen reference params (None when the reference is not
+    used: ``RlConfig.uses_reference``)."""
 
     params: dict
     opt_state: Any
-    ref_params: dict
+    ref_params: dict | None
 
 
 @dataclasses.dataclass
@@ -149,160 +153,6 @@ def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, 
     return rollouts, texts, rewards, failures
 
 
-class _SerialOps:
-    """Full-sequence scoring and gradients (the baseline): B*G rows of prompt ++ answer."""
-
-    def __init__(self, ctx: StepContext, state: TrainState, prompts: Prompts, rollouts: Rollouts, tracer, step):
-        cfg = ctx.cfg
-        b, g, _ = rollouts.response_ids.shape
-        self.prog, self.tracer, self.step = ctx.programs, tracer, step
-        self.mbs = [mb for rows in mini_batch_rows(b * g, cfg.rl.mini_batches)
-                    for mb in micro_batches(cfg.model, prompts, rollouts, cfg.rl.micro_batch, rows)]
-        self.ref_params = state.ref_params
-
-    def live(self) -> dict:
-        return {"other": [(mb.inputs, mb.response_ids, mb.response_mask) for mb in self.mbs]}
-
-    def after_ref(self) -> None:
-        pass
-
-    def after_grads(self) -> None:
-        pass
-
-    def ref_logp(self):
-        with self.tracer.span("JAX suffix", "reference", self.step):
-            return jax.block_until_ready(jnp.concatenate(
-                [self.prog.ref_logprobs(self.ref_params, mb.inputs, mb.prompt_len, mb.response_ids, mb.response_mask)
-                 for mb in self.mbs]))
-
-    def logp(self, params):
-        return jnp.concatenate([self.prog.old_logprobs(params, mb.inputs, mb.prompt_len, mb.response_ids,
-                                                       mb.response_mask) for mb in self.mbs])
-
-    def grads(self, params, rows: slice, weights, adv, old, ref, version):
-        acc, parts = None, []
-        for mb in (m for m in self.mbs if rows.start <= m.rows.start < rows.stop):
-            r = slice(mb.rows.start - rows.start, mb.rows.stop - rows.start)
-            o = None if old is None else old[mb.rows]
-            f = None if ref is None else ref[mb.rows]
-            (_, m), gr = self.prog.grad(params, mb.inputs, mb.prompt_len, mb.response_ids, weights[r], adv[mb.rows],
-                                        o, f)
-            acc = gr if acc is None else self.prog.accumulate(acc, gr)
-            parts.append(m)
-        return acc, parts
-
-
-class StaleBoundaryError(RuntimeError):
-    """A boundary state computed under one params version was handed to a consumer at another."""
-
-
-@dataclasses.dataclass
-class Boundary:
-    """Prefix outputs of B' prompts (B' = B with prefix sharing, B*G without), tagged with a params version."""
-
-    version: int
-    k: jax.Array
-    v: jax.Array
-    last: jax.Array
-    vjp: object | None = None
-
-    def check(self, version: int, consumer: str) -> None:
-        if self.version != version:
-            raise StaleBoundaryError(f"{consumer}: boundary state was computed under params version {self.version} "
-                                     f"but the consumer runs at version {version}; recompute the prefix")
-
-
-class _RollplexOps:
-    """Prefix/suffix scoring and gradients; the prefix programs may run during the decode."""
-
-    def __init__(self, ctx: StepContext, state: TrainState, prompts: Prompts, tracer, step, version):
-        cfg = ctx.cfg
-        self.cfg, self.sp, self.tracer, self.step, self.version = cfg, ctx.split, tracer, step, version
-        g = cfg.rollout.group_size
-        self.n = g if cfg.run.prefix_sharing else 1
-        rows = prompts if cfg.run.prefix_sharing else repeat_rows(cfg.model, prompts, g)
-        self.inputs = prepare_inputs(cfg.model, rows.input_ids, rows.attention_mask, rows.pixel_values,
-                                     rows.image_grid_thw, rows.video_grid_thw)
-        self.state = state
-        self.residuals = cfg.run.actor_prefix == "residuals"
-        self.use_ref = cfg.rl.kl_mode != "off"
-
-    def dispatch(self):
-        """Asynchronously dispatches vision (if frozen), actor prefix and reference prefix under theta_k."""
-        t0 = self.tracer.now()
-        p, inputs = self.state.params, self.inputs
-        self.emb = self.sp.vision(p, inputs) if self.cfg.optim.freeze_vision else None
-        out = self.sp.actor_prefix(p, inputs, self.emb)
-        self.actor = Boundary(self.version, *out) if self.residuals else Boundary(self.version, *out[:3])
-        self.ref = None
-        if self.use_ref:
-            k, v, last = self.sp.ref_prefix(self.state.ref_params, inputs, self.emb)
-            self.ref = Boundary(self.version, k, v, last)
-        self._dispatch_t0 = t0
-        return self
-
-    def wait_prefix(self):
-        """Blocks until the prefix work is done; records its span (dispatch -> ready)."""
-        jax.block_until_ready((self.actor.k, self.actor.last, None if self.ref is None else self.ref.last))
-        self.tracer.add("JAX prefix", "prefix", self.step, self._dispatch_t0, self.tracer.now())
-
-    def set_rollouts(self, rollouts: Rollouts):
-        b, g, tr = rollouts.response_ids.shape
-        self.shape = (b * g // self.n, self.n, tr)
-        self.resp = jnp.asarray(rollouts.response_ids.reshape(self.shape), jnp.int32)
-        self.rmask = jnp.asarray(rollouts.mask.reshape(self.shape) > 0)
-
-    def _mask_pos(self):
-        return self.inputs.attention_mask.astype(bool), self.inputs.next_position
-
-    def ref_logp(self):
-        self.ref.check(self.version, "reference suffix")
-        with self.tracer.span("JAX suffix", "reference", self.step):
-            lp = self.sp.suffix_logp(self.state.ref_params, self.ref.k, self.ref.v, self.ref.last, *self._mask_pos(),
-                                     self.resp, self.rmask)
-            return jax.block_until_ready(lp.reshape(-1, self.shape[-1]))
-
-    def logp(self, params):
-        self.actor.check(self.version, "actor suffix")
-        lp = self.sp.suffix_logp(params, self.actor.k, self.actor.v, self.actor.last, *self._mask_pos(), self.resp,
-                                 self.rmask)
-        return lp.reshape(-1, self.shape[-1])
-
-    def grads(self, params, rows: slice, weights, adv, old, ref, version):
-        """Gradient of the loss on rows ``rows`` (weights elsewhere 0). Only the first mini-batch (params still
-        theta_k) may use the precomputed prefix; later ones recompute it under the current params."""
-        full_w = jnp.zeros(self.shape, jnp.float32).reshape(-1, self.shape[-1]).at[rows].set(weights)
-        shaped = lambda x: None if x is None else x.reshape(self.shape)  # noqa: E731
-        args = (full_w.reshape(self.shape), adv.reshape(self.shape[:2]), shaped(old), shaped(ref))
-        if version == self.version and self.residuals:
-            self.actor.check(version, "actor update")
-            g, m = self.sp.grads_residuals(params, self.actor.k, self.actor.v, self.actor.last, self.actor.vjp,
-                                           *self._mask_pos(), self.resp, *args)
-        else:
-            g, m = self.sp.grads_recompute(params, self.inputs, self.emb, self.resp, *args)
-        return g, [m]
-
-    def live(self) -> dict:
-        """The boundary state and residuals still held, by buffer class."""
-        kv = [(b.k, b.v, b.last) for b in (self.actor, self.ref) if b is not None]
-        res = self.actor.vjp if self.actor is not None else None
-        return {"boundary_kv": kv or None, "prefix_residuals": res,
-                "other": (self.inputs, self.emb, getattr(self, "resp", None), getattr(self, "rmask", None))}
-
-    def after_ref(self) -> None:
-        """The reference boundary's last consumer (the reference suffix) is done: free it."""
-        self.ref = None
-
-    def after_grads(self) -> None:
-        """The actor boundary's last consumer (the first mini-batch's gradient) is done: free it and the
-        residuals; later mini-batches recompute the prefix under their own params."""
-        self.actor = None
-
-    def drop(self):
-        """Ends the life of the boundary state and residuals (their buffers are freed)."""
-        self.actor = self.ref = None
-
-
 def serial_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], *, seed: int,
                 step: int = 0, tracer: Tracer | None = None) -> StepResult:
     """One synchronous on-policy step, the classic way (the baseline and the equivalence oracle)."""
@@ -310,7 +160,7 @@ def serial_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers: 
     t0 = time.perf_counter()
     rollouts, texts, rewards, failures = _rollout_and_rewards(ctx, state, prompts, answers, seed, tracer, step)
     _mark(ctx, "rollout", state.params, state.opt_state, state.ref_params)
-    ops = _SerialOps(ctx, state, prompts, rollouts, tracer, step)
+    ops = SerialOps(ctx.cfg, ctx.programs, state.ref_params, prompts, rollouts, tracer, step)
     return _learn(ctx, state, ops, rollouts, texts, rewards, failures, tracer, step, t0)
 
 
@@ -320,7 +170,7 @@ def rollplex_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers
     prefix/suffix split, with the prefix programs dispatched before decoding when ``--overlap``."""
     tracer = tracer or Tracer()
     t0 = time.perf_counter()
-    ops = _RollplexOps(ctx, state, prompts, tracer, step, version=step)
+    ops = RollplexOps(ctx.cfg, ctx.split, state, prompts, tracer, step, version=step)
     overlap = ctx.cfg.run.overlap
     rollouts, texts, rewards, failures = _rollout_and_rewards(
         ctx, state, prompts, answers, seed, tracer, step, during_decode=ops.dispatch if overlap else None)
@@ -334,17 +184,17 @@ def rollplex_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers
     return result
 
 
-def _learn(ctx: StepContext, state: TrainState, ops, rollouts: Rollouts, texts, rewards, failures, tracer, step,
+def _learn(ctx: StepContext, state: TrainState, ops: Ops, rollouts: Rollouts, texts, rewards, failures, tracer, step,
            t0) -> StepResult:
     """Reference scoring, advantages, and the mini-batch updates, for either schedule's ``ops``."""
     cfg = ctx.cfg
     b, g, tr = rollouts.response_ids.shape
-    ref_logp = ops.ref_logp() if cfg.rl.kl_mode != "off" else None
+    ref_logp = ops.ref_logp() if cfg.rl.uses_reference else None
     _mark(ctx, "score", state.params, state.opt_state, state.ref_params, ops)
     ops.after_ref()
     scores = jnp.asarray(rewards)
     mask = jnp.asarray(rollouts.mask.reshape(b * g, tr))
-    if cfg.rl.kl_mode == "reward":
+    if cfg.rl.kl_mode == "reward" and ref_logp is not None:
         old = ops.logp(state.params)
         scores = losses.kl_penalized_rewards(scores, old.reshape(b, g, tr), ref_logp.reshape(b, g, tr),
                                              mask.reshape(b, g, tr), cfg.rl.kl_coef, cfg.rl.kl_estimator)
@@ -375,13 +225,7 @@ def should_update(advantages, lengths) -> bool:
     return bool(adv_lib.has_signal(jnp.where(jnp.asarray(lengths) > 0, advantages, 0.0)))
 
 
-def mini_batch_rows(n_rows: int, n_mini: int) -> list[slice]:
-    """Contiguous row ranges of the mini-batches (whole rows; sizes differ by at most one)."""
-    edges = np.linspace(0, n_rows, n_mini + 1).round().astype(int)
-    return [slice(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
-
-
-def _train(ctx: StepContext, state: TrainState, ops, adv, mask, ref_logp, tracer, step):
+def _train(ctx: StepContext, state: TrainState, ops: Ops, adv, mask, ref_logp, tracer, step):
     """Mini-batch loop: gradients (accumulated over micro-batches), then one donated optax update each.
 
     The optimizer commits theta_{k+1} only after every reader of theta_k (rollout views, prefix

@@ -1,60 +1,95 @@
-"""The JAX side of weight sharing with the rollout engine.
+"""The JAX side of weight sharing with the rollout engine: classification, and publishing the params.
 
-The actor's parameter arrays are the canonical storage. Between updates they are
-*published* to the engine (which makes DLPack views of them, or refills its rebuilt
-buffers); before any program that donates them runs, the engine must *release*
-every view, since a live view silently blocks donation (ENVIRONMENT.md). This
-module is the one place that sequences the two, and it checks the result.
+The actor's parameter arrays are the canonical storage. Between updates they are *published* to the
+engine; before any program that donates them runs, the engine must *release* every view, since a
+live view silently blocks donation (ENVIRONMENT.md). ``WeightPublisher`` is the one place that
+sequences the two, and it checks the result.
 
-Parallelism-aware classification (issue 7, below ``Sharing by layout``): for every engine
-tensor and every device, the training shard held there (train mesh, ``mesh.TRAIN_RULES``) is
-compared with what the rollout engine rank placed there needs (its TP degree, its own layout:
-vLLM's fused q/k/v and gate/up, padded vocab; the transformers engine's HF layout): ``aligned``,
-``view`` or ``rebuilt``. ``plan_sharing`` needs no devices (``launch.plan``); ``plan_for_params``
-and ``device_shards`` turn real (sharded) arrays into what ``rollout_torch.weights.ShardedBinder``
-binds. On one device every HF-engine tensor is aligned.
+Sharing by layout: for every engine tensor (its layout: ``engine_layouts.py``) and every device, the
+training shard held there (train mesh, ``mesh.TRAIN_RULES``) is compared with what the rollout engine
+rank placed there needs (its TP degree, its own layout: vLLM's fused q/k/v and gate/up, padded vocab;
+the transformers engine's HF layout): ``aligned``, ``view`` or ``rebuilt`` (``rollplex_contract.layout``).
+``plan_sharing`` needs no devices (``launch.plan``); ``plan_for_params`` and ``device_shards`` turn real
+(sharded) arrays into what the engines bind (``rollout_torch.weights.ShardedBinder``). On one device
+every transformers-engine tensor is aligned.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from rollplex_contract.layout import (
+    ALIGNED,
+    KINDS,
+    REBUILT,
+    VIEW,
+    Box,
+    RankTensor,
+    Shard,
+    SharingReport,
+    box_size,
+    contains,
+    full_box,
+    intersection,
+)
+from rollplex_jax import engine_layouts
 from rollplex_jax.config import MeshConfig, ModelConfig
+from rollplex_jax.engine_layouts import EngineTensor, layout_for
 from rollplex_jax.models.qwen2_5_vl.params import param_specs
 
-
-class BindableEngine(Protocol):
-    def bind(self, params: Mapping[str, Any]) -> None: ...
-
-    def release(self) -> None: ...
+__all__ = ["ALIGNED", "VIEW", "REBUILT", "KINDS", "EngineTensor", "RankTensor", "Shard", "SharingPlan",
+           "WeightPublisher", "classify", "plan_sharing", "plan_for_params", "device_shards", "layout_for"]
 
 
 class WeightPublisher:
-    """Publishes actor params (with a version number) to an engine, and takes them back.
+    """Publishes actor params (with a version number) to an engine in the engine's own layout, and takes
+    them back.
 
-    ``publish`` waits for the arrays to be computed (DLPack needs ready buffers), then binds;
-    ``release`` drops the engine's views so the next update may donate the buffers.
+    ``publish`` waits for the arrays to be computed (DLPack needs ready buffers), classifies the engine's
+    layout against their shardings (once per layout of the params), then binds the engine rank at device
+    position 0; ``release`` drops the engine's views so the next update may donate the buffers.
+    ``gather``: params -> the arrays the engine reads (a multi-process run's all-gathered replicated copy,
+    ``multihost.replicated_copy``; they live until ``release``); None = the params themselves.
     """
 
-    def __init__(self, engine: BindableEngine):
+    def __init__(self, engine, cfg: ModelConfig, gather: Callable[[Mapping[str, jax.Array]], dict] | None = None):
         self.engine = engine
+        self.layout = engine_layouts.for_engine(engine.layout, cfg)
+        self.gather = gather
+        self.plan: SharingPlan | None = None
+        self._key = None
+        self._arrays = None
         self.version: int | None = None
 
     def publish(self, params: Mapping[str, jax.Array], version: int) -> None:
         jax.block_until_ready(params)
-        self.engine.bind(params)
+        arrays = dict(params) if self.gather is None else self.gather(params)
+        key = tuple((k, tuple(v.shape), str(v.dtype), v.sharding) for k, v in arrays.items())
+        if key != self._key:
+            self.plan = plan_for_params(arrays, self.layout, 1, positions=[0], layout_name=self.engine.layout)
+            self._key = key
+        self.engine.bind(self.plan.ranks[0], device_shards(arrays))  # rebuilt pieces may live on any device
+        self._arrays = arrays if self.gather is not None else None
         self.version = version
 
     def release(self) -> None:
         if self.version is not None:
             self.engine.release()
+        self._arrays = None
         self.version = None
+
+    def report(self) -> SharingReport:
+        """The engine's counts and bytes per class of the last bind, with the per-device classification."""
+        if self.plan is None:
+            raise RuntimeError("report() needs a publish() first")
+        rep = self.engine.sharing_report()
+        return dataclasses.replace(rep, details=self.plan.report(positions=[0]))
 
 
 def donated(old: Mapping[str, jax.Array]) -> bool:
@@ -62,151 +97,13 @@ def donated(old: Mapping[str, jax.Array]) -> bool:
     return all(a.is_deleted() for a in old.values())
 
 
-# =====================================================================================================
-# Sharing by layout (issue 7): which engine tensors can alias the training shards, on which device.
-# =====================================================================================================
+# --- classification: which engine tensors can alias the training shards, on which device ------------------
 #
-# Pure Python (no devices): ``launch.plan`` classifies a 32-device setting on a CPU box. Terms:
-# - an *engine layout* is a list of ``EngineTensor``s (the tensors of one engine rank, by name);
-# - the *placement*: the training mesh's devices (row-major over (fsdp, tp), i.e. mesh.devices.flat)
-#   host ``N / t_r`` rollout replicas, replica j = devices [j t_r, (j+1) t_r), rank = position in it
-#   (N = lcm(train devices, t_r): when t_r exceeds the training mesh, a replica spans several
-#   data-parallel copies of it, device i holding the training shard of position i mod train devices);
-# - a *box* is a tuple of (start, stop) per dimension of a source parameter.
-
-ALIGNED, VIEW, REBUILT = "aligned", "view", "rebuilt"
-KINDS = (ALIGNED, VIEW, REBUILT)
-Box = tuple[tuple[int, int], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineTensor:
-    """One engine tensor: ``sources`` (actor params) concatenated along dim 0, split over rollout TP ranks.
-
-    ``tp_dim``: 0 = column/vocab parallel (rows split), 1 = row parallel (columns split), None = replicated.
-    A fused tensor (several sources, vLLM's QKVParallelLinear / MergedColumnParallelLinear) gives rank r
-    cat(rows of rank r of each source). ``split`` > 1: the single source is that many equal row blocks,
-    each split over the ranks (vLLM's vision ``attn.qkv``: rank r holds [q_r; k_r; v_r] of the HF tensor).
-    ``heads``: heads per part (a source, or a block); a part with fewer heads than ranks is replicated over
-    groups of ranks (vLLM's KV-head replication). ``pad_multiple``: dim 0 is padded to a multiple of it
-    before the split (vLLM's vocab padding); a rank holding padding rows is rebuilt.
-    """
-
-    target: str
-    sources: tuple[str, ...]
-    tp_dim: int | None = None
-    transpose: bool = False
-    split: int = 1
-    heads: tuple[int, ...] | None = None
-    pad_multiple: int | None = None
-
-
-class RankTensor(NamedTuple):
-    """What one engine rank gets for one engine tensor (what ``rollout_torch.weights.ShardedBinder`` reads).
-
-    ``pieces``: (source, box in source coordinates), concatenated along dim 0, then ``pad_rows`` zero rows,
-    then transposed if ``transpose``. ``shape``: before the transpose. ``local_bytes``: bytes of the pieces
-    already inside the device's own training shard (a rebuilt tensor need only receive the rest).
-    """
-
-    target: str
-    kind: str
-    pieces: tuple[tuple[str, Box], ...]
-    pad_rows: int
-    transpose: bool
-    shape: tuple[int, ...]
-    nbytes: int
-    local_bytes: int
-
-
-def hf_layout(cfg: ModelConfig) -> list[EngineTensor]:
-    """The transformers engine: each parameter its own tensor, HF layout, no tensor parallelism."""
-    out = [EngineTensor(name, (name,)) for name in param_specs(cfg)]
-    if cfg.tie_word_embeddings:
-        out.append(EngineTensor("lm_head.weight", ("model.embed_tokens.weight",)))
-    return out
-
-
-def vllm_layout(cfg: ModelConfig, *, fuse: bool = True, vocab_pad: int | None = 64) -> list[EngineTensor]:
-    """vLLM's Qwen2.5-VL (vllm/model_executor/models/qwen2_5_vl.py + qwen2.py), text and vision, by vLLM name.
-
-    Text: ``qkv_proj`` = [q; k; v] (QKVParallelLinear, KV heads replicated when fewer than ranks) and
-    ``gate_up_proj`` = [gate; up] (MergedColumnParallelLinear) column-parallel with their biases;
-    ``o_proj``, ``down_proj`` row-parallel; ``embed_tokens``/``lm_head`` vocab-parallel, padded to a
-    multiple of 64 (VocabParallelEmbedding); norms replicated. Vision: ``attn.qkv`` is a QKVParallelLinear
-    over the HF [3d, d] tensor (rank r: [q_r; k_r; v_r]); ``attn.proj`` row-parallel; ``mlp.gate_up_proj``
-    column (fused), ``mlp.down_proj`` row; merger ``mlp.0`` column, ``mlp.2`` row; ``patch_embed``
-    (ReplicatedLinear) and norms replicated. A row-parallel layer's bias is added after the all-reduce:
-    replicated. ``fuse=False, vocab_pad=None``: the same TP splits with one tensor per HF parameter.
-    """
-    t, v = cfg.text, cfg.vision
-    lm, out = ("language_model." if fuse else ""), []  # unfused: HF names
-
-    def col(target, sources, heads=None, split=1, bias=True, prefix="", src_prefix=""):
-        names = [src_prefix + s for s in sources]
-        kinds = ("weight", "bias") if bias else ("weight",)
-        if fuse or len(names) == 1:
-            for k in kinds:
-                out.append(EngineTensor(f"{prefix}{target}.{k}", tuple(f"{n}.{k}" for n in names), 0, split=split,
-                                        heads=heads))
-        else:
-            for n, h in zip(names, heads or (None,) * len(names), strict=True):
-                for k in kinds:
-                    out.append(EngineTensor(f"{n}.{k}", (f"{n}.{k}",), 0, heads=None if h is None else (h,)))
-
-    def row(name, bias, prefix=""):
-        out.append(EngineTensor(f"{prefix}{name}.weight", (f"{name}.weight",), 1))
-        if bias:
-            out.append(EngineTensor(f"{prefix}{name}.bias", (f"{name}.bias",), None))
-
-    def rep(name, prefix=""):
-        out.append(EngineTensor(prefix + name, (name,), None))
-
-    rep("visual.patch_embed.proj.weight")
-    for i in range(v.depth):
-        p = f"visual.blocks.{i}."
-        rep(p + "norm1.weight")
-        rep(p + "norm2.weight")
-        if fuse:
-            col(p + "attn.qkv", ("attn.qkv",), heads=(v.num_heads,) * 3, split=3, src_prefix=p)
-        else:
-            col(p + "attn.qkv", ("attn.qkv",), heads=(v.num_heads,), src_prefix=p)
-        row(p + "attn.proj", True)
-        col(p + "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), src_prefix=p)
-        row(p + "mlp.down_proj", True)
-    rep("visual.merger.ln_q.weight")
-    col("visual.merger.mlp.0", ("visual.merger.mlp.0",))
-    row("visual.merger.mlp.2", True)
-
-    vocab = dict(tp_dim=0, pad_multiple=vocab_pad if fuse else None)
-    out.append(EngineTensor(lm + "model.embed_tokens.weight", ("model.embed_tokens.weight",), **vocab))
-    for i in range(t.num_hidden_layers):
-        p = f"model.layers.{i}."
-        rep(p + "input_layernorm.weight", lm)
-        rep(p + "post_attention_layernorm.weight", lm)
-        col(p + "self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            heads=(t.num_attention_heads, t.num_key_value_heads, t.num_key_value_heads), prefix=lm, src_prefix=p)
-        row(p + "self_attn.o_proj", False, lm)
-        col(p + "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), bias=False, prefix=lm, src_prefix=p)
-        row(p + "mlp.down_proj", False, lm)
-    rep("model.norm.weight", lm)
-    if not cfg.tie_word_embeddings:  # tied: vLLM's lm_head *is* embed_tokens
-        out.append(EngineTensor(lm + "lm_head.weight", ("lm_head.weight",), **vocab))
-    return out
-
-
-def tp_layout(cfg: ModelConfig) -> list[EngineTensor]:
-    """vLLM's TP splits without fusion or vocab padding: one tensor per HF parameter (a TP HF-like engine)."""
-    return vllm_layout(cfg, fuse=False, vocab_pad=None)
-
-
-LAYOUTS = {"hf": hf_layout, "vllm": vllm_layout, "tp": tp_layout}
-
-
-def layout_for(engine: str, rollout_tp: int) -> str:
-    """The layout ``launch.plan`` classifies: vLLM's for --engine=vllm or any rollout TP, else transformers'."""
-    return "vllm" if engine == "vllm" or rollout_tp > 1 else "hf"
-
+# Pure Python (no devices): ``launch.plan`` classifies a 32-device setting on a CPU box. The *placement*: the
+# training mesh's devices (row-major over (fsdp, tp), i.e. mesh.devices.flat) host ``N / t_r`` rollout
+# replicas, replica j = devices [j t_r, (j+1) t_r), rank = position in it (N = lcm(train devices, t_r): when
+# t_r exceeds the training mesh, a replica spans several data-parallel copies of it, device i holding the
+# training shard of position i mod train devices).
 
 def shard_box(shape: Sequence[int], spec: Sequence[Any], mesh_shape: Mapping[str, int],
               coords: Mapping[str, int]) -> Box:
@@ -226,30 +123,18 @@ def shard_box(shape: Sequence[int], spec: Sequence[Any], mesh_shape: Mapping[str
     return tuple(out)
 
 
-def _full(shape: Sequence[int]) -> Box:
-    return tuple((0, int(d)) for d in shape)
-
-
-def _contains(outer: Box, inner: Box) -> bool:
-    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner, strict=True))
-
-
-def _intersect_size(a: Box, b: Box) -> int:
-    return math.prod(max(0, min(y, w) - max(x, z)) for (x, y), (z, w) in zip(a, b, strict=True))
-
-
 def rank_pieces(et: EngineTensor, shapes: Mapping[str, Sequence[int]], t_r: int, r: int
                 ) -> tuple[tuple[tuple[str, Box], ...], int]:
     """The (source, box) pieces that rank ``r`` of ``t_r`` holds of ``et`` (concatenated along dim 0), and
     its zero padding rows."""
     if et.tp_dim is None:
-        pieces = [(s, _full(shapes[s])) for s in et.sources]
+        pieces = [(s, full_box(shapes[s])) for s in et.sources]
         return _merge(pieces), 0
     if et.tp_dim == 1:
         (s,) = et.sources
         shape = shapes[s]
         c = _divide(shape[1], t_r, et.target)
-        box = list(_full(shape))
+        box = list(full_box(shape))
         box[1] = (r * c, (r + 1) * c)
         return ((s, tuple(box)),), 0
     if et.pad_multiple:
@@ -259,7 +144,7 @@ def rank_pieces(et: EngineTensor, shapes: Mapping[str, Sequence[int]], t_r: int,
         padded = -(-rows // et.pad_multiple) * et.pad_multiple
         per = _divide(padded, t_r, et.target)
         a, b = r * per, min((r + 1) * per, rows)
-        pieces = [(s, ((a, b), *_full(shape)[1:]))] if b > a else []
+        pieces = [(s, ((a, b), *full_box(shape)[1:]))] if b > a else []
         return tuple(pieces), per - max(0, b - a)
     if et.split > 1:
         (s,) = et.sources
@@ -275,7 +160,7 @@ def rank_pieces(et: EngineTensor, shapes: Mapping[str, Sequence[int]], t_r: int,
             raise ValueError(f"{et.target}: {h} heads cannot be replicated evenly over {t_r} rollout ranks")
         n = _divide(b - a, k, et.target)
         i = r // (t_r // k)
-        pieces.append((s, ((a + i * n, a + (i + 1) * n), *_full(shapes[s])[1:])))
+        pieces.append((s, ((a + i * n, a + (i + 1) * n), *full_box(shapes[s])[1:])))
     return _merge(pieces), 0
 
 
@@ -305,8 +190,8 @@ def classify_tensor(et: EngineTensor, pieces, pad_rows: int, local: Mapping[str,
     rest = shapes[0][1:] if shapes else tuple(full_shape[1:])
     shape = (sum(s[0] for s in shapes) + pad_rows, *rest)
     nbytes = int(math.prod(shape) * itemsize)
-    local_bytes = int(sum(_intersect_size(box, local[s]) for s, box in pieces) * itemsize)
-    if len(pieces) == 1 and not pad_rows and _contains(local[pieces[0][0]], pieces[0][1]):
+    local_bytes = int(sum(box_size(intersection(box, local[s])) for s, box in pieces) * itemsize)
+    if len(pieces) == 1 and not pad_rows and contains(local[pieces[0][0]], pieces[0][1]):
         kind = ALIGNED if pieces[0][1] == local[pieces[0][0]] and not et.transpose else VIEW
     else:
         kind = REBUILT
@@ -397,7 +282,7 @@ def classify(layout: str | Sequence[EngineTensor], shapes: Mapping[str, Sequence
     training position i (len = training devices); the plan covers lcm(training devices, rollout_tp) positions
     (``positions``: only those)."""
     name = layout_name or (layout if isinstance(layout, str) else "custom")
-    tensors = LAYOUTS[layout](cfg) if isinstance(layout, str) else list(layout)
+    tensors = engine_layouts.for_engine(layout, cfg) if isinstance(layout, str) else list(layout)
     if name == "hf" and rollout_tp != 1:
         raise ValueError(f"the transformers engine has no tensor parallelism: rollout_tp={rollout_tp} needs "
                          "--engine=vllm")
@@ -439,14 +324,6 @@ class _MeshShape(NamedTuple):
 
 # --- JAX arrays -> what the torch binder reads ---------------------------------------------------------
 
-class Shard(NamedTuple):
-    """One addressable shard: its device position (mesh.devices.flat order), index box and DLPack-capable buffer."""
-
-    position: int
-    box: Box
-    array: Any
-
-
 def device_order(params: Mapping[str, jax.Array]) -> list[jax.Device]:
     """The training devices in placement order: a NamedSharding's mesh.devices.flat (else the one device)."""
     for a in params.values():
@@ -479,7 +356,7 @@ def device_shards(params: Mapping[str, jax.Array], order: Sequence[jax.Device] |
     for name, a in params.items():
         shards = a.addressable_shards
         if len(shards) == 1 and shards[0].device in pos:  # unsharded: the array itself (same buffer)
-            out[name] = [Shard(pos[shards[0].device], _full(a.shape), a)]
+            out[name] = [Shard(pos[shards[0].device], full_box(a.shape), a)]
             continue
         out[name] = [Shard(pos[s.device], _index_box(s.index, a.shape), s.data) for s in shards
                      if s.device in pos and (keep is None or pos[s.device] in keep)]

@@ -1,11 +1,15 @@
 """A phase timeline for RL steps: record spans, export a Chrome trace, draw a Gantt chart.
 
-The scheduler runs phases on lanes that may overlap in time ("torch decode" of step k+1
-while "update" of step k runs). A `Tracer` records each phase as a `Span` on its lane;
+The scheduler runs each step's phases on lanes; within a step, lanes may overlap in time (with the
+Rollplex schedule the "JAX prefix" programs run while "torch decode" decodes); steps do not overlap
+(the update of step k ends before the rollout of step k+1 starts: on-policy). A `Tracer` records
+each phase as a `Span` on its lane;
 `write_chrome_trace` writes `trace.json` for Perfetto / chrome://tracing and
 `plot_timeline` draws `plots/timeline.png` (see ARCHITECTURE.md, "Run outputs").
 Times are seconds since the tracer was created; no global state, one tracer per run.
 """
+
+from __future__ import annotations
 
 import contextlib
 import dataclasses

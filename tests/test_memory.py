@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from launch.api import runner_from_flagfile
 from rollplex_jax import memory
 from rollplex_jax.config import (
     Config,
@@ -130,7 +131,7 @@ def _demo_runner(tmp_path, name, **overrides) -> Runner:
     """The demo's flagfile (tiny_cpu.flags), a few steps of a reward with signal in every group."""
     kw = dict(steps=2, synthetic_n=32, eval_n=0, progress=False, schedule="rollplex",
               reward="launch.bench_reward:varied_reward")
-    return Runner.from_flagfile("configs/tiny_cpu.flags", workdir=str(tmp_path / name), **{**kw, **overrides})
+    return runner_from_flagfile("configs/tiny_cpu.flags", workdir=str(tmp_path / name), **{**kw, **overrides})
 
 
 @pytest.mark.parametrize("policy", ["resident", "offload"])

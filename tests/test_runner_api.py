@@ -1,4 +1,4 @@
-"""The Python API notebooks use: Runner.from_flagfile, samples, metrics_frame, timeline; no global state."""
+"""The Python API notebooks use: launch.api.runner_from_flagfile, samples, metrics_frame, timeline; no global state."""
 
 import os
 
@@ -7,10 +7,10 @@ import pytest
 from absl import app, flags  # noqa: F401  (absl.app defines its own flags on flags.FLAGS when imported)
 
 from launch import flags as launch_flags  # noqa: F401  (imported before the snapshot of flags.FLAGS below)
+from launch.api import config_from_flagfile, runner_from_flagfile
 from rollplex_jax.config import ConfigError
 from rollplex_jax.models.qwen2_5_vl.params import params_sha256
 from rollplex_jax.outputs import read_metrics
-from rollplex_jax.runner import Runner, config_from_flagfile
 from tests.paths import REPO
 from tests.reward_fns import length_parity
 
@@ -55,13 +55,13 @@ def _comparable(rows):
 def test_two_runners_interleave_and_match_their_solo_runs(tmp_path):
     solo = {}
     for schedule in ("serial", "rollplex"):
-        r = Runner.from_flagfile("configs/tiny_cpu.flags", workdir=tmp_path / f"solo_{schedule}", schedule=schedule,
+        r = runner_from_flagfile("configs/tiny_cpu.flags", workdir=tmp_path / f"solo_{schedule}", schedule=schedule,
                                  log=_quiet, **TINY)
         solo[schedule] = (_comparable(list(r.run())), params_sha256(r.state.params))
         r.close()
 
-    a = Runner.from_flagfile("configs/tiny_cpu.flags", workdir=tmp_path / "a", schedule="serial", log=_quiet, **TINY)
-    b = Runner.from_flagfile("configs/tiny_cpu.flags", workdir=tmp_path / "b", schedule="rollplex", log=_quiet, **TINY)
+    a = runner_from_flagfile("configs/tiny_cpu.flags", workdir=tmp_path / "a", schedule="serial", log=_quiet, **TINY)
+    b = runner_from_flagfile("configs/tiny_cpu.flags", workdir=tmp_path / "b", schedule="rollplex", log=_quiet, **TINY)
     ma, mb = [], []
     for _ in range(2):  # step by step, alternating
         ma += a.run(1)
@@ -96,7 +96,7 @@ def test_two_runners_interleave_and_match_their_solo_runs(tmp_path):
 
 
 def test_fork_continues_the_same_state_in_another_workdir(tmp_path):
-    a = Runner.from_flagfile("configs/tiny_cpu.flags", workdir=tmp_path / "a", schedule="serial", log=_quiet,
+    a = runner_from_flagfile("configs/tiny_cpu.flags", workdir=tmp_path / "a", schedule="serial", log=_quiet,
                              **{**TINY, "steps": 3})
     list(a.run(1))
     with pytest.raises(ValueError, match="another workdir"):

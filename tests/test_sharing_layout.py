@@ -19,6 +19,7 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rollout_torch.weights import ShardedBinder
+from rollplex_jax import engine_layouts as EL
 from rollplex_jax import mesh as M
 from rollplex_jax import sharing as S
 from rollplex_jax.config import MeshConfig, ModelConfig, tiny_model_config
@@ -121,7 +122,7 @@ def test_vllm_fused_tensors_are_rebuilt():
 
 
 def test_vocab_padding_rows_are_rebuilt():
-    et = S.EngineTensor("embed", ("e",), 0, pad_multiple=64)
+    et = EL.EngineTensor("embed", ("e",), 0, pad_multiple=64)
     assert S.rank_pieces(et, {"e": (100, 8)}, 2, 0) == ((("e", ((0, 64), (0, 8))),), 0)
     assert S.rank_pieces(et, {"e": (100, 8)}, 2, 1) == ((("e", ((64, 100), (0, 8))),), 28)
     rt = S.classify_tensor(et, *S.rank_pieces(et, {"e": (100, 8)}, 2, 1), {"e": ((0, 100), (0, 8))}, 4)
@@ -230,15 +231,16 @@ def test_binder_release_detects_live_views():
 
 
 def test_hf_engine_binds_fsdp_sharded_params():
-    from rollout_torch.engine import Prompts, SamplingParams
     from rollout_torch.hf_engine import HFEngine
+    from rollplex_contract.batch import Prompts, SamplingParams
 
     cfg = tiny_model_config()
     params = init_params(cfg, jax.random.key(0), std=0.1)
     sharded = _place(params, cfg, 4, 1)
-    eng = HFEngine(cfg)
-    eng.bind(sharded)
-    rep = eng.sharing_report()
+    eng = HFEngine(cfg.to_hf_dict())
+    pub = S.WeightPublisher(eng, cfg)
+    pub.publish(sharded, version=0)
+    rep = pub.report()
     assert rep.counts["rebuilt"] > 0 and rep.counts["aligned"] > 0 and rep.counts["view"] == 0
     assert rep.to_dict()["classification"]["train_mesh"] == {"fsdp": 4, "tp": 1}
     bound = eng.bound_tensors()
@@ -253,12 +255,12 @@ def test_hf_engine_binds_fsdp_sharded_params():
     sp = SamplingParams(max_new_tokens=4, temperature=0.0)
     got = eng.generate(prompts, 1, sp).response_ids
     eng.release()
-    ref = HFEngine(cfg)
-    ref.bind(params)
+    ref = HFEngine(cfg.to_hf_dict())
+    S.WeightPublisher(ref, cfg).publish(params, version=0)
     np.testing.assert_array_equal(got, ref.generate(prompts, 1, sp).response_ids)
     ref.release()
     new = init_params(cfg, jax.random.key(5), std=0.1)
-    eng.bind(_place(new, cfg, 4, 1))
+    pub.publish(_place(new, cfg, 4, 1), version=1)
     bound = eng.bound_tensors()
     q = "model.layers.0.self_attn.q_proj.weight"
     assert bound[q].data_ptr() == ptrs[q]  # rebuilt: same buffer, new values
@@ -304,8 +306,9 @@ def test_binder_on_8_devices_subprocess():
 
 def test_dataclass_is_hashable_and_layouts_cover_every_param():
     cfg = _cfg()
-    for name in ("hf", "tp", "vllm"):
-        used = {s for et in S.LAYOUTS[name](cfg) for s in et.sources}
-        assert used == set(param_specs(cfg)), name
-    assert dataclasses.is_dataclass(S.EngineTensor) and hash(S.EngineTensor("a", ("b",)))
+    for name in ("hf", "tp", "vllm", "vllm_text"):
+        used = {s for et in EL.for_engine(name, cfg) for s in et.sources}
+        want = {k for k in param_specs(cfg) if name != "vllm_text" or not k.startswith("visual.")}
+        assert used == want, name
+    assert dataclasses.is_dataclass(EL.EngineTensor) and hash(EL.EngineTensor("a", ("b",)))
     torch.manual_seed(0)

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
 from rollout_torch.engine import Prompts, SamplingParams
+
 from rollout_torch.vllm_engine import FUSED, PaddedSpec, VLLMEngine, write_text_only_checkpoint
 from rollout_torch.weights import ALIGNED, REBUILT, checksums
 from rollplex_jax.config import tiny_model_config

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from rollout_torch.engine import Prompts
+from rollplex_contract.batch import Prompts
 from rollplex_jax.config import VisionConfig
 from rollplex_jax.data.image_processing import (
     ImageLoadError,

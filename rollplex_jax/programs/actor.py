@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from rollplex_jax.config import ModelConfig, OptimConfig, RlConfig
-from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, full_forward
+from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, full_forward, gather_logprobs
 from rollplex_jax.programs.optimizer import ChunkedOptimizer
 from rollplex_jax.rl import losses
 
@@ -35,15 +35,9 @@ def response_logits(params, cfg: ModelConfig, inputs: ModelInputs, prompt_len, n
     return jax.lax.dynamic_slice_in_dim(logits, prompt_len - 1, n_response, axis=1)
 
 
-def token_logprobs(logits, response_ids, response_mask):
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(logp, response_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return jnp.where(response_mask > 0, picked, 0.0)
-
-
 def _logprobs(cfg, params, inputs, prompt_len, response_ids, response_mask):
     logits = response_logits(params, cfg, inputs, prompt_len, response_ids.shape[1])
-    return token_logprobs(logits, response_ids, response_mask)
+    return gather_logprobs(logits, response_ids, response_mask)
 
 
 def objective(rl: RlConfig, logp, pred_logits, weights, advantages, old_logp, ref_logp):
@@ -70,7 +64,7 @@ def _loss(cfg: ModelConfig, rl: RlConfig, params, inputs, prompt_len, response_i
           old_logp, ref_logp):
     """The objective on one micro-batch of full sequences (prompt ++ answer rows)."""
     logits = response_logits(params, cfg, inputs, prompt_len, response_ids.shape[1])
-    logp = token_logprobs(logits, response_ids, weights > 0)
+    logp = gather_logprobs(logits, response_ids, weights > 0)
     return objective(rl, logp, logits, weights, advantages, old_logp, ref_logp)
 
 

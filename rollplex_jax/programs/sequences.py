@@ -1,4 +1,5 @@
-"""Host-side assembly of full sequences (prompt ++ answer) for the serial schedule.
+"""Host-side assembly of a step's rows: full sequences (prompt ++ answer) for the serial schedule, mini-batch
+row ranges and prompt-row selection for both schedules.
 
 The serial baseline scores and trains on B*G rows, each a left-padded prompt followed
 by one right-padded answer, with the prompt's images repeated for every answer (the
@@ -12,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from rollout_torch.engine import Prompts, Rollouts, items_per_row
+from rollplex_contract.batch import Prompts, Rollouts, items_per_row
 from rollplex_jax.config import ModelConfig
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
 
@@ -86,3 +87,9 @@ def select_rows(cfg: ModelConfig, prompts: Prompts, rows) -> Prompts:
     pix, (img, vid) = _select(prompts, _grid_spans(cfg, prompts), rows)
     return Prompts(input_ids=prompts.input_ids[rows], attention_mask=prompts.attention_mask[rows],
                    pixel_values=pix, image_grid_thw=img, video_grid_thw=vid)
+
+
+def mini_batch_rows(n_rows: int, n_mini: int) -> list[slice]:
+    """Contiguous row ranges of the mini-batches (whole rows; sizes differ by at most one)."""
+    edges = np.linspace(0, n_rows, n_mini + 1).round().astype(int)
+    return [slice(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]

@@ -8,14 +8,20 @@ recomputed inside the update (``--actor_prefix=recompute``). Either way the grad
 the full gradient: suffix gradients plus ``prefix_vjp(d boundary KV)``, which reaches the
 decoder's prompt positions, the merger and the vision tower.
 
-| program           | donates | notes                                                        |
-|-------------------|---------|--------------------------------------------------------------|
-| ``vision``        | nothing | frozen vision tower: encoded once, shared by actor and ref   |
-| ``actor_prefix``  | nothing | reads theta_k; boundary KV (+ vjp residuals)                 |
-| ``ref_prefix``    | nothing | reads the reference params; boundary KV                      |
-| ``ref_suffix``    | nothing | answer log-probs under the reference                         |
-| ``suffix_logp``   | nothing | answer log-probs under theta_k (old log-probs, KL metric)    |
-| ``grads``         | nothing | suffix loss -> gradients (+ prefix vjp, or recompute)         |
+| program (``SplitPrograms``) | donates | notes                                                        |
+|-----------------------------|---------|--------------------------------------------------------------|
+| ``vision``                  | nothing | frozen vision tower: encoded once, shared by actor and ref   |
+| ``actor_prefix``            | nothing | reads theta_k; boundary KV (+ vjp residuals)                 |
+| ``ref_prefix``              | nothing | reads the reference params; boundary KV                      |
+| ``suffix_logp``             | nothing | answer log-probs given a boundary KV: under the reference    |
+|                             |         | (reference scoring) or under theta_k (old log-probs, KL)     |
+| ``grads_residuals``         | nothing | suffix loss -> gradients w.r.t. params and boundary, then    |
+|                             |         | the prefix's vjp of the latter (``--actor_prefix=residuals``) |
+| ``grads_recompute``         | nothing | the same gradient with the prefix forward recomputed inside  |
+|                             |         | (``--actor_prefix=recompute``, and later mini-batches)       |
+
+Both gradient programs run the whole B*G answers of the step, with zero token weights outside the
+mini-batch's rows (``step_ops.RollplexOps.grads``); ``--micro_batch`` does not split them.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from rollplex_jax.models.qwen2_5_vl.model import (
     encode_vision,
     prefix_forward,
     suffix_forward,
-    token_logprobs,
+    suffix_logprobs,
 )
 from rollplex_jax.programs.actor import objective
 
@@ -53,7 +59,7 @@ def _actor_prefix_residuals(cfg, params, inputs, vision_embeds):
 def _suffix_logp(cfg, params, k, v, last, mask, next_pos, response_ids, response_mask):
     state = PrefixState(k, v, mask, next_pos)
     logits = suffix_forward(params, cfg, state, response_ids, response_mask)
-    return token_logprobs(last, logits, response_ids, response_mask), logits
+    return suffix_logprobs(last, logits, response_ids, response_mask), logits
 
 
 def _suffix_loss(cfg: ModelConfig, rl: RlConfig, params, k, v, last, mask, next_pos, response_ids, weights,

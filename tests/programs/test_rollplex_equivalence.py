@@ -1,16 +1,14 @@
 """--schedule=rollplex computes the same update as --schedule=serial.
 
-Same seed, 3 RL steps: per-step loss and KL within 1e-5, final params within 1e-5 relative
-(max over parameter tensors of ||a - b|| / ||b||), for every combination of --prefix_sharing and
---overlap, with --freeze_vision off and on, with --actor_prefix=recompute, and with 2 mini-batches
-(the second recomputes the prefix). Also: the split gradient equals the full-sequence gradient on
-random inputs (per parameter, fp32, rtol 1e-5), and a stale boundary state raises.
+Same seed, 3 RL steps: per-step loss and KL within 1e-5, final params within 2% of the update scale
+(lr x updates) per element (tests/equivalence.py: robust to reduction order, and why), for every
+combination of --prefix_sharing and --overlap, with --freeze_vision off and on, with
+--actor_prefix=recompute, and with 2 mini-batches (the second recomputes the prefix). Also: the split
+gradient equals the full-sequence gradient on random inputs (per parameter, fp32, rtol 1e-5), and a
+stale boundary state raises.
 
-Excluded from the parameter comparison: the decoder's ``self_attn.k_proj.bias``. Its exact
-gradient is identically zero (adding q.b_k to every score of a query leaves the softmax
-unchanged), so what each schedule computes for it is floating-point noise, which AdamW turns
-into lr-sized steps; its value never changes any output. Measured with the real optimizer
-settings (eps 1e-8): k bias up to ~1e-4, every other tensor <= ~7e-6.
+Excluded from the parameter comparison: the decoder's ``self_attn.k_proj.bias`` (its exact gradient is
+identically zero: ``tests.equivalence.ZERO_GRADIENT``).
 """
 
 import dataclasses
@@ -20,15 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollplex_jax import scheduler
+from rollplex_jax import scheduler, step_ops
 from rollplex_jax.config import Config, DataConfig, ModelConfig, OptimConfig, RlConfig, RolloutConfig, RunConfig
 from rollplex_jax.data.dataset import collate
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.rl import losses
 from rollplex_jax.runner import Runner
+from tests.equivalence import assert_same_updates
 from tests.paths import REPO
 
 TOL = 1e-5
+LR = 3e-3
 
 
 def _config(tmp_path, name, freeze=False, mini=1, **run) -> Config:
@@ -42,7 +42,7 @@ def _config(tmp_path, name, freeze=False, mini=1, **run) -> Config:
                     mini_batches=mini),
         # eps 1e-6 (AdamW's default 1e-8 turns gradient components of ~1e-7, pure fp32 rounding noise here,
         # into lr-sized steps: the final-params comparison would test that amplification, not the schedule).
-        optim=OptimConfig(lr=3e-3, eps=1e-6, freeze_vision=freeze),
+        optim=OptimConfig(lr=LR, eps=1e-6, freeze_vision=freeze),
         run=RunConfig(workdir=str(tmp_path / name), steps=3, progress=False, **run),
     )
 
@@ -55,7 +55,7 @@ def _run(cfg):
     return metrics, params
 
 
-def _compare(a, b, tol=TOL):
+def _compare(a, b, mini=1):
     (ma, pa), (mb, pb) = a, b
     assert len(ma) == len(mb) == 3
     assert any(m["skipped_steps/no_signal"] == 0 for m in ma)  # at least one real update happened
@@ -64,10 +64,8 @@ def _compare(a, b, tol=TOL):
         for key in ("loss", "kl"):
             if key in x or key in y:
                 assert abs(x[key] - y[key]) <= TOL, (key, x[key], y[key])
-    rel = {k: np.linalg.norm(pa[k] - pb[k]) / (np.linalg.norm(pb[k]) + 1e-30) for k in pa
-           if not k.endswith("self_attn.k_proj.bias")}
-    worst = max(rel, key=rel.get)
-    assert rel[worst] <= tol, (worst, rel[worst])
+    worst = assert_same_updates(pa, pb, lr=LR, updates=3 * mini)
+    print(f"worst param difference {worst:.3g} of the tolerance")
 
 
 @pytest.fixture(scope="module")
@@ -90,19 +88,16 @@ def test_rollplex_recompute_equals_serial(serial, tmp_path):
 
 def test_two_mini_batches_equal_serial(tmp_path):
     """Only the first mini-batch may use the precomputed prefix; the second recomputes it (params moved).
-
-    Two AdamW updates per step (6 in all) amplify summation-order noise further: params within 3e-5
-    (measured 1.1e-5), losses/KL within 1e-5.
-    """
+    Two AdamW updates per step (6 in all)."""
     a = _run(_config(tmp_path, "s", mini=2))
     b = _run(_config(tmp_path, "r", mini=2, schedule="rollplex"))
-    _compare(b, a, tol=3e-5)
+    _compare(b, a, mini=2)
 
 
 def test_stale_boundary_raises():
-    b = scheduler.Boundary(version=3, k=None, v=None, last=None)
+    b = step_ops.Boundary(version=3, k=None, v=None, last=None)
     b.check(3, "ok")
-    with pytest.raises(scheduler.StaleBoundaryError, match="version 3.*version 4"):
+    with pytest.raises(step_ops.StaleBoundaryError, match="version 3.*version 4"):
         b.check(4, "actor update")
 
 
@@ -126,7 +121,7 @@ def test_split_gradient_equals_full_gradient(tmp_path):
                                      adv[mb.rows], None, None)
         full = gr if full is None else jax.tree.map(jnp.add, full, gr)
 
-    ops = scheduler._RollplexOps(r.ctx, r.state, prompts, r.tracer, step=0, version=0).dispatch()
+    ops = step_ops.RollplexOps(r.cfg, r.ctx.split, r.state, prompts, r.tracer, step=0, version=0).dispatch()
     ops.set_rollouts(ro)
     split_res, _ = ops.grads(r.state.params, slice(0, b * g), w, adv, None, None, version=0)
     split_rec, _ = ops.grads(r.state.params, slice(0, b * g), w, adv, None, None, version=1)  # -> recompute

@@ -72,12 +72,12 @@ def test_resume_equals_uninterrupted(tmp_path, schedule):
     assert _metrics(rest) == _metrics(full[2:])
 
 
-def _launch(workdir, *extra, env_extra=None):
+def _launch(workdir, *extra, module=("launch.main",)):
     args = ["--flagfile=configs/tiny_cpu.flags", "--schedule=serial", f"--workdir={workdir}", "--batch_prompts=2",
             "--group_size=4",
             "--synthetic_n=16", "--eval_n=0", "--reward=tests.reward_fns:length_parity", "--noprogress", *extra]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **(env_extra or {}))
-    return subprocess.Popen([sys.executable, "-m", "launch.main", *args], cwd=REPO, env=env,
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.Popen([sys.executable, "-m", *module, *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -114,7 +114,7 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path):
     wd = tmp_path / "run"
     common = ("--steps=4", "--checkpoint_every=1", "--micro_batch=8", "--kl_coef=0.1", "--lr=3e-3",
               "--max_new_tokens=3", "--synthetic_n=16", "--decay_steps=0", "--checkpoint_keep=3")
-    p = _launch(wd, *common, env_extra={"ROLLPLEX_FAULT_KILL_DURING_SAVE": "3"})
+    p = _launch(wd, *common, module=("tests.reliability.kill_during_save", "3"))  # SIGKILL once save 3 started
     p.communicate(timeout=300)
     assert p.returncode == -signal.SIGKILL
     assert sorted(int(d) for d in os.listdir(wd / "checkpoints") if d.isdigit())[-1] == 2  # 3 never completed

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_torch.engine import Prompts, SamplingParams
 from rollout_torch.hf_engine import HFEngine
-from rollout_torch.weights import ALIGNED, REBUILT, LiveViewError, checksums
+from rollout_torch.weights import LiveViewError, checksums
+from rollplex_contract.batch import Prompts, SamplingParams
+from rollplex_contract.layout import ALIGNED, REBUILT
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.models.qwen2_5_vl.params import init_params
@@ -32,15 +33,15 @@ def _setup(dtype="float32", seed=0):
     inp = mm_inputs(cfg, ROWS, np.random.default_rng(0))
     if dtype == "bfloat16":
         inp["pixel_values"] = inp["pixel_values"]  # pixels stay fp32 on the host; both sides cast
-    eng = HFEngine(cfg, max_batch=4)
-    eng.bind(params)
+    eng = HFEngine(cfg.to_hf_dict(), max_batch=4)
+    WeightPublisher(eng, cfg).publish(params, version=0)
     return cfg, params, inp, eng
 
 
 def _jax_logprobs(cfg, params, inp, ro):
     state, last = M.prefix_forward(params, cfg, M.prepare_inputs(cfg, **inp))
     ids, mask = jnp.asarray(ro.response_ids), jnp.asarray(ro.mask)
-    return np.asarray(M.token_logprobs(last, M.suffix_forward(params, cfg, state, ids, mask), ids, mask))
+    return np.asarray(M.suffix_logprobs(last, M.suffix_forward(params, cfg, state, ids, mask), ids, mask))
 
 
 def test_every_tensor_is_an_aligned_zero_copy_view():
@@ -59,8 +60,8 @@ def test_every_tensor_is_an_aligned_zero_copy_view():
 def test_tied_embeddings_share_one_buffer():
     cfg = dataclasses.replace(tiny_model_config(), tie_word_embeddings=True)
     params = init_params(cfg, jax.random.key(0))
-    eng = HFEngine(cfg)
-    eng.bind(params)
+    eng = HFEngine(cfg.to_hf_dict())
+    WeightPublisher(eng, cfg).publish(params, version=0)
     ptr = params["model.embed_tokens.weight"].unsafe_buffer_pointer()
     assert eng.model.lm_head.weight.data_ptr() == ptr
     assert eng.model.model.language_model.embed_tokens.weight.data_ptr() == ptr
@@ -116,7 +117,7 @@ def test_greedy_follows_the_jax_argmax():
 
 def test_rebind_after_donating_updates_keeps_engine_equal_to_actor():
     cfg, params, inp, eng = _setup()
-    pub = WeightPublisher(eng)
+    pub = WeightPublisher(eng, cfg)
     pub.publish(params, version=0)
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -171,7 +172,16 @@ def test_rollout_never_writes_to_actor_weights():
 
 
 def test_generate_before_bind_is_a_clear_error():
-    eng = HFEngine(tiny_model_config())
+    eng = HFEngine(tiny_model_config().to_hf_dict())
     with pytest.raises(RuntimeError, match="before bind"):
         eng.generate(Prompts(input_ids=np.ones((1, 2), np.int64), attention_mask=np.ones((1, 2), np.int64)), 1,
                      SamplingParams())
+
+
+def test_a_layout_that_does_not_describe_the_model_is_refused():
+    cfg = tiny_model_config()
+    params = init_params(cfg, jax.random.key(0))
+    pub = WeightPublisher(HFEngine(cfg.to_hf_dict()), cfg)
+    pub.layout = [et for et in pub.layout if "q_proj" not in et.target]  # as if the trainer forgot q_proj
+    with pytest.raises(ValueError, match=r"no tensor for model\.language_model\.layers\.0\.self_attn\.q_proj"):
+        pub.publish(params, version=0)

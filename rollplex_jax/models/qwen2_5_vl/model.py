@@ -186,9 +186,16 @@ def suffix_forward(params: dict, cfg: ModelConfig, state: PrefixState, response_
     return lm_logits(params, h, cfg)
 
 
-def token_logprobs(last_logits: jax.Array, suffix_logits: jax.Array, response_ids: jax.Array,
-                   response_mask: jax.Array) -> jax.Array:
-    """Log-probs [B, N, Tr] of each response token (0 at padding).
+def gather_logprobs(logits: jax.Array, token_ids: jax.Array, mask: jax.Array) -> jax.Array:
+    """Log-probs of ``token_ids`` under ``logits`` [..., V] (log-softmax, picked), 0 where ``mask`` is 0."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, token_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.where(mask > 0, picked, 0.0)
+
+
+def suffix_logprobs(last_logits: jax.Array, suffix_logits: jax.Array, response_ids: jax.Array,
+                    response_mask: jax.Array) -> jax.Array:
+    """Log-probs [B, N, Tr] of each response token over a shared prefix (0 at padding).
 
     Token 0 is predicted by the prefix's last logits [B, V] (shared by the N answers), token t
     by suffix logit t-1.
@@ -196,6 +203,4 @@ def token_logprobs(last_logits: jax.Array, suffix_logits: jax.Array, response_id
     b, n, t, v = suffix_logits.shape
     first = jnp.broadcast_to(last_logits[:, None, None, :], (b, n, 1, v))
     pred = jnp.concatenate([first, suffix_logits[:, :, :-1]], axis=2)
-    logp = jax.nn.log_softmax(pred, axis=-1)
-    picked = jnp.take_along_axis(logp, response_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return jnp.where(response_mask > 0, picked, 0.0)
+    return gather_logprobs(pred, response_ids, response_mask)

@@ -1,4 +1,4 @@
-"""Parameter naming shared by checkpoints and the torch engines (pure strings, no JAX import).
+"""Parameter naming of checkpoints and of transformers' in-memory model (pure strings, no JAX import).
 
 Our parameter names are a Qwen2.5-VL checkpoint's on-disk names (``model.layers.N...``,
 ``visual.blocks.N...``, ``lm_head.weight``). transformers 5 keeps the modules under other
@@ -22,4 +22,18 @@ def normalize_name(name: str) -> str:
     for src, dst in _PREFIXES:
         if name.startswith(src):
             return dst + name[len(src):]
+    return name
+
+
+def transformers_name(name: str) -> str:
+    """Our (on-disk) parameter name -> transformers 5's in-memory name (what the transformers engine binds).
+
+    ``model.layers.0.mlp.up_proj.weight`` -> ``model.language_model.layers.0.mlp.up_proj.weight``;
+    ``visual.blocks.0...`` -> ``model.visual.blocks.0...``; ``lm_head.weight`` unchanged (a name already in
+    transformers' spelling maps to itself).
+    """
+    name = normalize_name(name)
+    for mem, disk in _PREFIXES:
+        if name.startswith(disk):
+            return mem + name[len(disk):]
     return name

@@ -1,15 +1,14 @@
-"""What every rollout engine takes and returns.
+"""A step's batch as both sides see it: prompts in, rollouts out, and the engine protocol between them.
 
-An engine generates G answers per prompt with weights bound from the actor (see
-``weights.py``); it knows nothing of JAX beyond receiving DLPack-capable arrays.
-Prompts arrive already tokenised and preprocessed (numpy), exactly as the JAX
-programs see them, so both sides score the same tokens.
+Prompts arrive already tokenised and preprocessed (numpy), exactly as the JAX programs see them, so the
+engine and the trainer score the same tokens. An engine generates G answers per prompt with weights bound
+from the actor (``layout.py`` says how); it knows nothing of JAX beyond receiving DLPack-capable arrays.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,7 +16,12 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy decoding (top_p/top_k ignored)."""
+    """How to sample. ``temperature == 0`` means greedy decoding (top_p/top_k ignored).
+
+    ``first_prompt``: the index of this call's first prompt in the step's batch. Every engine seeds each
+    answer by (``seed``, its prompt's index in the batch, its index among the prompt's answers), so a
+    process decoding a share of the prompts samples what one process decoding all of them would.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -25,7 +29,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
-    first_prompt: int = 0  # index of the first prompt of this call in the step's batch (per-answer seeds)
+    first_prompt: int = 0
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -36,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.first_prompt < 0:
+            raise ValueError(f"first_prompt={self.first_prompt} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,10 +106,17 @@ def items_per_row(prompts: Prompts, token_id: int, grids: np.ndarray | None, mer
 
 
 class Engine(Protocol):
-    """A rollout engine bound to the actor's weights."""
+    """A rollout engine bound to the actor's weights.
 
-    def bind(self, params: Mapping[str, Any]) -> None:
-        """(Re)binds the engine to the actor's current parameter arrays (DLPack-capable)."""
+    ``layout`` names the engine's tensor layout (``"hf"``, ``"vllm"``, ``"vllm_text"``): the trainer describes
+    that layout's tensors in terms of its own parameters (``rollplex_jax.engine_layouts``), classifies them
+    against the training shards, and hands each rank its ``RankTensor`` list with the shards (``bind``).
+    """
+
+    layout: str
+
+    def bind(self, tensors: Sequence[Any], shards: Mapping[str, Sequence[Any]]) -> None:
+        """(Re)binds the engine to the actor's current shards (``layout.RankTensor`` list, ``layout.Shard``s)."""
 
     def release(self) -> None:
         """Drops every view of actor buffers, so JAX may donate them."""
@@ -112,4 +125,4 @@ class Engine(Protocol):
         """Samples ``n`` answers per prompt."""
 
     def sharing_report(self) -> Any:
-        """``weights.SharingReport`` of the last bind: counts and bytes aligned / view / rebuilt."""
+        """``layout.SharingReport`` of the last bind: counts and bytes aligned / view / rebuilt."""

