@@ -7,7 +7,8 @@
 Prints a table (phases as columns, buffer classes as rows, GiB per device, for both layouts, with the
 peaks, whether each fits --hbm_budget, the smallest budget that fits and every assumption), then one
 JSON object as the last stdout line (``--format=json``: only that line). The formulas and what they
-assume are in ``rollplex_jax/planner.py``.
+assume are in the ``rollplex_jax/planner/`` modules (``layouts``: the layouts; ``activations``: the per-layer
+formulas; ``types``: mesh, lengths, program model).
 
   python -m launch.plan --simulate --flagfile=... [--sim_hardware=H800|H100|H200|cpu] [--simulate_sweep]
       [--sim_response_mean=T] [--sim_disagg_split=0.5] [--plot_out=PATH]

@@ -73,8 +73,10 @@ from rollplex_jax.planner import (
     DEFAULT_PROGRAMS,
     Lengths,
     ProgramModel,
-    _Mesh,
     param_counts,
+)
+from rollplex_jax.planner import (
+    PlanMesh as _Mesh,
 )
 
 SCHEDULES = ("serial", "rollplex", "overlap_only", "sharing_only", "disaggregated")
