@@ -22,7 +22,17 @@ timeline. Costs of the programs come from ``costs``.
   link (master + moments in and out); + ops per parameter tensor.
 - weight sync: serial / disaggregated: the engine gets a full copy (P b / rollout_tp per device) each
   step, over NVLink (colocated: reshard) or the network (disaggregated: train pool -> rollout pool);
-  rollplex: only the rebuilt part (planner's rule max(0, P/rollout_tp - P/(fsdp tp)) b per device).
+  rollplex: the engine reads aligned and view tensors in place (DLPack views of the actor's compute
+  weights) and refills only its own (rebuilt: fused qkv / gate_up, resharded, padded) buffers, as the
+  per-tensor classification counts them (``sharing.plan_sharing`` via ``planner.sharing_classification``;
+  its report's ``extra_bytes_per_device`` R and ``remote_bytes_per_device`` R_remote, each the largest of
+  any device). The part of R held in the device's own training shard is copied on the device, which
+  reads and writes each byte at HBM bandwidth; the rest comes from the other devices of the training
+  fsdp x tp group, over NVLink when that group fits in a node (``hw.devices_per_node``), else the network:
+    t_sync = 2 (R - R_remote) / hbm_bw + R_remote / link_bw
+  (taking both maxima, an upper bound on the slowest device's time). Until issue 16 this was
+  max(0, P/rollout_tp - P/(fsdp tp)) b / intra_bw, which is 0 whenever the TPs match although vLLM's
+  fused tensors are rebuilt every step.
 - input assembly (host, ``hw.host_copy_bw`` > 0 only: CPU): the patch bytes of the rows scored (B x G
   serial / disaggregated / overlap_only, B with prefix sharing) / host_copy_bw, on the critical path.
 - host: ``hw.host_step_s`` per step (rewards, scheduling, barriers) + input assembly (above).
@@ -43,6 +53,7 @@ from rollplex_jax.planner import (
     PlanMesh,
     ProgramModel,
     param_counts,
+    sharing_classification,
 )
 from rollplex_jax.simulator.costs import (
     DTYPE_BYTES,
@@ -210,16 +221,24 @@ class WeightSync:
     """Bytes the engine's weights need per device each step, and the seconds that takes per schedule."""
 
     full_copy_bytes: float  # a full engine shard, P b / rollout_tp: serial and disaggregated
-    rebuilt_bytes: float  # rollplex: engine-owned buffers refilled each step
+    rebuilt_bytes: float  # rollplex: engine-owned buffers refilled each step (largest of any device)
+    remote_bytes: float  # the part of them not in the device's own training shard (largest of any device)
+    layout: str  # the engine's tensor layout the classification used (hf / vllm / tp)
+    link: str  # where the remote part comes from: NVLink or network
     serial_s: float  # colocated full copy over NVLink
     rollplex_s: float
     transfer_s: float  # disaggregated: the full copy over the network
 
 
 def weight_sync(s: Setup) -> WeightSync:
-    """Weight sync of each schedule (module doc)."""
+    """Weight sync of each schedule; rollplex's from the per-tensor sharing classification (module doc)."""
     P, b, mesh, hw = s.counts.total, s.b, s.mesh, s.hw
-    rebuilt = max(0.0, P / mesh.rollout_tp - P / mesh.weight_shards) * b
+    c = sharing_classification(s.cfg)
+    rebuilt, remote = c["extra_bytes_per_device"], c["remote_bytes_per_device"]
+    in_node = mesh.weight_shards <= hw.devices_per_node
+    link_bw = hw.intra_bw if in_node else hw.inter_bw
     full_copy = P * b / mesh.rollout_tp
-    return WeightSync(full_copy, rebuilt, full_copy / hw.intra_bw, rebuilt / hw.intra_bw,
-                      full_copy / hw.inter_bw if mesh.devices > 1 else 0.0)
+    return WeightSync(full_copy, rebuilt, remote, c["layout"], "NVLink" if in_node else "network",
+                      serial_s=full_copy / hw.intra_bw,
+                      rollplex_s=2 * max(0, rebuilt - remote) / hw.hbm_bw + remote / link_bw,
+                      transfer_s=full_copy / hw.inter_bw if mesh.devices > 1 else 0.0)

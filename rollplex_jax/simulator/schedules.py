@@ -2,7 +2,7 @@
 
 Schedules:
 - serial: host + input assembly + sync + rollout + reference(full) + actor(full fwd+bwd) + update.
-- rollplex: host + sync(rebuilt) + overlap(rollout, prefix) + ref suffix + actor suffix/prefix bwd +
+- rollplex: host + sync(rebuilt buffers) + overlap(rollout, prefix) + ref suffix + actor suffix/prefix bwd +
   update; ``overlap_only`` = no prefix sharing, ``sharing_only`` = no overlap (prefix after decode).
 - overlap (``overlap_stage``): the prefix programs run at (1 - decode_util) of their speed during the
   decode (they get the compute the decode leaves idle) and the decode is slowed by ``interference`` x
@@ -195,8 +195,10 @@ def _assumptions(s: Setup, sync: WeightSync, pools: tuple[int, int], notes: list
         f"devices {mesh.devices}: training fsdp {mesh.fsdp} x tp {mesh.tp}, rollout tp {mesh.rollout_tp} "
         f"({mesh.devices // mesh.rollout_tp} replicas)",
         f"weight sync per step: serial/disaggregated a full engine copy ({sync.full_copy_bytes / 1e9:.2f} GB per "
-        f"device; NVLink colocated, network disaggregated), rollplex only the rebuilt part "
-        f"({sync.rebuilt_bytes / 1e9:.2f} GB, planner)",
+        f"device; NVLink colocated, network disaggregated); rollplex refills only the engine-owned (rebuilt) "
+        f"buffers of the per-tensor classification ({sync.layout} layout: {sync.rebuilt_bytes / 1e9:.2f} GB per "
+        f"device, {sync.remote_bytes / 1e9:.2f} GB of it from other devices over {sync.link}, the rest copied "
+        "on the device at HBM bandwidth, read + write)",
         f"disaggregated: {pools[0]} rollout + {pools[1]} training devices, synchronous on-policy, not pipelined",
         f"host work {hw.host_step_s} s per step" + (f"; input assembly on the critical path at "
                                                      f"{hw.host_copy_bw / 1e9:.2g} GB/s (patch bytes of the rows "
@@ -237,5 +239,7 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
                                       overlap, hw)
     scheds["disaggregated"], pools, notes = _disaggregated(s, disagg_split, sync)
     details = {"rollout_rows_per_replica": math.ceil(s.rows / max(1, D // s.mesh.rollout_tp)),
-               "params": s.counts.total, "disagg_pools": list(pools)}
+               "params": s.counts.total, "disagg_pools": list(pools),
+               "weight_sync": {"layout": sync.layout, "rebuilt_bytes_per_device": int(sync.rebuilt_bytes),
+                               "remote_bytes_per_device": int(sync.remote_bytes), "remote_link": sync.link}}
     return Simulation(scheds, hw, s.lengths, D, s.response_mean, s.pm, _assumptions(s, sync, pools, notes), details)
