@@ -114,7 +114,7 @@ def sharing_classification(cfg: Config) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _classification(model: ModelConfig, mesh, engine: str) -> dict:
-    from rollplex_jax.sharing import plan_sharing
+    from rollplex_jax.sharing import plan_sharing  # here: importing the planner does not load jax
 
     rep = plan_sharing(model, mesh, engine=engine).report()
     per = rep.pop("per_device")
@@ -287,7 +287,7 @@ def rollplex(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s:
         rp[p]["gradients"] = s.compute
     for p in ("rollout", "score", "train"):
         rp[p]["activations"] = a[p]
-    # resident: one chunk of AdamW temporaries at a time as well
+    # the clipped gradients + AdamW temporaries: one chunk's when offloaded, the whole shard's when resident
     rp["update"]["activations"] = s.compute + 2 * s.counts.total * F32 / mesh.devices / (chunks if offload else 1)
     return rp
 

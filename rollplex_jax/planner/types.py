@@ -151,7 +151,7 @@ class ParamCounts:
 @functools.lru_cache(maxsize=32)
 def model_param_counts(model: ModelConfig, freeze_vision: bool) -> ParamCounts:
     """Parameter counts of ``model`` (cached: the shapes of a 32B model take a moment to enumerate)."""
-    from rollplex_jax.models.qwen2_5_vl.params import count_params, param_shapes
+    from rollplex_jax.models.qwen2_5_vl.params import count_params, param_shapes  # here: no jax at import
 
     shapes = param_shapes(model)
     vision = {k: s for k, s in shapes.items() if k.startswith("visual.")}
