@@ -7,13 +7,14 @@
 Prints a table (phases as columns, buffer classes as rows, GiB per device, for both layouts, with the
 peaks, whether each fits --hbm_budget, the smallest budget that fits and every assumption), then one
 JSON object as the last stdout line (``--format=json``: only that line). The formulas and what they
-assume are in ``rollplex_jax/planner.py``.
+assume are in the ``rollplex_jax/planner/`` modules (``layouts``: the layouts; ``activations``: the per-layer
+formulas; ``types``: mesh, lengths, program model).
 
   python -m launch.plan --simulate --flagfile=... [--sim_hardware=H800|H100|H200|cpu] [--simulate_sweep]
       [--sim_response_mean=T] [--sim_disagg_split=0.5] [--plot_out=PATH]
 
 predicts the step time instead (phases x schedules serial / rollplex / overlap_only / sharing_only /
-disaggregated, speedups, assumptions; rollplex_jax/simulator.py), writes plan_timeline.png (under
+disaggregated, speedups, assumptions; the ``rollplex_jax/simulator/`` modules), writes plan_timeline.png (under
 --workdir unless --plot_out), JSON last.
 """
 
@@ -40,7 +41,7 @@ _ATTENTION = flags.DEFINE_enum("plan_attention", "flash", ["flash", "dense"],
                                "scale needs) or dense (today's JAX programs: [heads, Tq, Tk] fp32 scores).")
 _SIMULATE = flags.DEFINE_bool("simulate", False, "Predict each phase's time and the step time of serial, rollplex "
                                "(+ overlap_only, sharing_only) and disaggregated on --sim_hardware instead of memory "
-                               "(rollplex_jax/simulator.py); writes plan_timeline.png.")
+                               "(rollplex_jax/simulator/); writes plan_timeline.png.")
 _SWEEP = flags.DEFINE_bool("simulate_sweep", False, "With --simulate: also print which assumption moves the "
                            "rollplex/serial speedup most (each scaled x0.5 and x2).")
 _HW = flags.DEFINE_string("sim_hardware", "H800", "Hardware preset: H800, H100, H200 or cpu (measured by a short "

@@ -65,6 +65,28 @@ def test_disaggregated_includes_transfer_and_presets():
     assert rows[0]["range"] >= rows[-1]["range"] and len(rows) >= 5
 
 
+def test_weight_sync_refills_the_rebuilt_buffers_of_the_classification():
+    """Issue 16: rollplex's weight sync is the engine-owned (rebuilt) bytes of the per-tensor classification,
+    the local part copied on the device (read + write at HBM bandwidth), the rest over NVLink. The old rule
+    max(0, P/rollout_tp - P/(fsdp tp)) gave 0 at equal TPs, though vLLM's fused qkv / gate_up are rebuilt."""
+    hw = hardware.H800
+    cfg = _config("configs/qwen2_5_vl_7b_8dev.flags", "--train_fsdp=1", "--train_tp=2", "--rollout_tp=2")
+    c = planner.sharing_classification(cfg)
+    assert c["layout"] == "vllm" and c["extra_bytes_per_device"] > 0
+    local = c["extra_bytes_per_device"] - c["remote_bytes_per_device"]
+    expect = 2 * local / hw.hbm_bw + c["remote_bytes_per_device"] / hw.intra_bw
+    sim = simulator.simulate(cfg, hw, planner.Lengths.from_config(cfg))
+    for name in ("rollplex", "overlap_only", "sharing_only"):
+        assert sim.schedules[name].phases["weight_sync"] == pytest.approx(expect) and expect > 0
+    full = planner.param_counts(cfg).total * 2 / 2  # bf16, rollout tp 2: serial still copies the whole shard
+    assert sim.schedules["serial"].phases["weight_sync"] == pytest.approx(full / hw.intra_bw)
+    # one device, the transformers engine: every tensor aligned (a view of the actor's), nothing to refill
+    one = _config("configs/bench_cpu.flags")
+    assert (one.rollout.engine, one.mesh.train_devices, one.mesh.rollout_tp) == ("hf", 1, 1)
+    sim = simulator.simulate(one, hw, planner.Lengths.from_config(one))
+    assert all(sim.schedules[n].phases["weight_sync"] == 0 for n in ("rollplex", "overlap_only", "sharing_only"))
+
+
 def test_simulate_cli_32b(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "launch.plan", "--simulate", "--simulate_sweep",
