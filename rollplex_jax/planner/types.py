@@ -20,7 +20,8 @@ program model:
     shards the batch as well as the params); activations are further divided by ``tp`` (tensor
     parallelism with sequence parallelism: heads, MLP columns and the residual stream are all split);
   - compute weights (``cfg.model.dtype``), gradients (same dtype as the params) and reference weights
-    are sharded over ``fsdp * tp``; the reference is skipped entirely when ``cfg.rl.kl_mode == 'off'``;
+    are sharded over ``fsdp * tp``; the reference is skipped entirely when it is not used
+    (``cfg.rl.uses_reference``: no KL in the objective and no ``--log_kl``);
   - fp32 master weights (only when the dtype is not float32) and Adam's two fp32 moments are sharded
     over all ``D`` devices (distributed optimizer / ZeRO-1, as Megatron's distributed optimizer);
     moments cover trainable params only (not the vision tower with ``--freeze_vision``);

@@ -112,7 +112,7 @@ class Setup:
 
     @property
     def use_ref(self) -> bool:
-        return self.cfg.rl.kl_mode != "off"
+        return self.cfg.rl.uses_reference
 
 
 def rollout(s: Setup, n_dev: int) -> tuple[float, float, float]:

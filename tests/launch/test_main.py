@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.paths import REPO
 
 SMALL = ["--flagfile=configs/tiny_cpu.flags", "--steps=3", "--batch_prompts=4", "--group_size=4",
@@ -19,13 +21,13 @@ def _main(*args):
 
 def test_main_writes_the_run_outputs(tmp_path):
     wd = tmp_path / "run"
-    r = _main(*SMALL, f"--workdir={wd}")
+    r = _main(*SMALL, f"--workdir={wd}", "--log_kl")  # kl_coef 0: the reference runs only for the metric
     assert r.returncode == 0, r.stderr[-3000:]
     last = json.loads(r.stdout.strip().splitlines()[-1])
     assert last["steps_done"] == 3
     rows = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
-    for key in ("reward/mean", "time/step_s", "time/rollout_s", "time/reward_s", "kl"):
+    for key in ("reward/mean", "time/step_s", "time/rollout_s", "time/reward_s", "kl", "time/reference_s"):
         assert all(key in row for row in rows), key
     summary = json.loads((wd / "run_summary.json").read_text())
     for key in ("config", "versions", "device_kind", "steps_done", "reward/mean", "eval/greedy_accuracy",
@@ -33,6 +35,8 @@ def test_main_writes_the_run_outputs(tmp_path):
         assert key in summary, key
     assert summary["weight_sharing"]["counts"]["rebuilt"] == 0
     assert summary["params_sha256"] == last["params_sha256"]
+    assert summary["reward/mean"] == rows[-1]["reward/mean"]  # the final step's (last20_mean is the mean of 20)
+    assert summary["reward/last20_mean"] == pytest.approx(sum(row["reward/mean"] for row in rows) / 3, rel=1e-12)
     assert (wd / "plots" / "reward.png").stat().st_size > 1000
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(wd / "tensorboard"))
     assert sorted(os.listdir(wd / "checkpoints")) == ["2", "3"]
@@ -43,3 +47,16 @@ def test_bad_flag_fails_at_start_naming_it(tmp_path):
     r = _main("--flagfile=configs/tiny_cpu.flags", f"--workdir={tmp_path}", "--group_size=1")
     assert r.returncode != 0
     assert "--group_size=1" in r.stderr and "must be >= 2" in r.stderr
+
+
+def test_no_flags_runs_the_tiny_demo_task(tmp_path):
+    """No flagfile: the defaults (demo model, tiny tokenizer, synthetic colour task, one step) run to the end.
+    Their KL coefficient is 0, so no reference pass runs and no reference weights are held."""
+    wd = tmp_path / "bare"
+    r = _main(f"--workdir={wd}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((wd / "run_summary.json").read_text())
+    assert summary["steps_done"] == 1 and 0.0 <= summary["eval/greedy_accuracy"] <= 1.0
+    row = json.loads((wd / "metrics.jsonl").read_text().splitlines()[0])
+    assert "kl" not in row and "time/reference_s" not in row
+    assert not any(k.endswith("/ref_weights_bytes") and v for k, v in row.items())

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from PIL import Image
-from rollplex_contract.batch import Rollouts
 
+from rollplex_contract.batch import Rollouts
 from rollplex_jax import scheduler
 from rollplex_jax.config import Config, DataConfig, ModelConfig, OptimConfig, RlConfig, RolloutConfig, RunConfig
 from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer, TokenizerError

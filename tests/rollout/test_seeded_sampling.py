@@ -5,9 +5,9 @@ import dataclasses
 
 import numpy as np
 import torch
-from rollplex_contract.batch import Prompts, SamplingParams
 
 from rollout_torch.hf_engine import SeededSampler, answer_seeds
+from rollplex_contract.batch import Prompts, SamplingParams
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.programs.sequences import select_rows
 from tests.rollout.test_hf_engine import STOP, _setup

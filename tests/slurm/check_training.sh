@@ -10,7 +10,7 @@ PYTHON="${PYTHON:-${REPO}/.venv/bin/python}"
 D="$(mktemp -d /tmp/rollplex-slurm-train.XXXXXX)"
 trap 'rm -rf "${D}"' EXIT
 FLAGS=(--steps=3 --train_fsdp=2 --train_tp=2 --batch_prompts=4 --group_size=4 --micro_batch=8 --synthetic_n=64
-       --eval_n=16 --checkpoint_every=1 --noprogress --reward=launch.bench_reward:varied_reward --nomeasure_memory)
+       --eval_n=16 --checkpoint_every=1 --noprogress --reward=launch.bench_reward:varied_reward)
 
 echo "[check_training] one process, 4 devices" >&2
 XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu "${PYTHON}" -m launch.main \
