@@ -14,7 +14,7 @@ This module
   weights) count as ``rollout_weights``. Where the backend has ``memory_stats`` (GPU) the meter
   also records ``peak_bytes_in_use`` per phase.
 - counts theta_k bytes that outlived a donating update (``undonated_bytes``: an in-flight checkpoint
-  copy or a user's numpy view blocks donation; torch views are checked released by the WeightBinder).
+  copy or a user's numpy view blocks donation; torch views are checked released by the ShardedBinder).
 
 What is not measured on CPU: the rollout engine's KV cache (torch allocates it inside
 ``generate``); the planner predicts it.
@@ -218,7 +218,7 @@ def undonated_bytes(old: dict) -> int:
     """Device bytes of ``old`` (theta_k) still alive after a donating update.
 
     Donation is skipped (the program copies instead) while anything else holds the buffer: a torch
-    view (the WeightBinder checks those are released before any update), an in-flight asynchronous
+    view (the ShardedBinder checks those are released before any update), an in-flight asynchronous
     checkpoint's host copy, or a user's numpy view in a notebook. The result is still exact; the
     cost is memory, which this counts.
     """

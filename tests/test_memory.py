@@ -173,13 +173,14 @@ def test_hbm_budget_on_a_mesh_plans_per_device(tmp_path):
     """On fsdp 2 x tp 2 the budget is per device: the planner is asked about the 4-device mesh (it used to be
     asked about one device and refused the mesh), and a budget between its two per-device peaks offloads."""
     from rollplex_jax import planner
+    from rollplex_jax.config import MeshConfig
 
     mesh = dict(train_fsdp=2, train_tp=2)
     probe = _demo_runner(tmp_path, "probe4", **mesh)
     peaks = {p: planner.plan(probe.cfg, probe.lengths, 4, programs=planner.CURRENT_PROGRAMS,
                              optimizer_policy=p).peak_bytes("rollplex") for p in ("resident", "offload")}
-    one = planner.plan(probe.cfg, probe.lengths, 1, programs=planner.CURRENT_PROGRAMS,
-                       optimizer_policy="offload").peak_bytes("rollplex")
+    one = planner.plan(dataclasses.replace(probe.cfg, mesh=MeshConfig()), probe.lengths, 1,
+                       programs=planner.CURRENT_PROGRAMS, optimizer_policy="offload").peak_bytes("rollplex")
     probe.close()
     assert peaks["offload"] < peaks["resident"] < one  # per device on the mesh: less than on one device
     r = _demo_runner(tmp_path, "fit4", hbm_budget=str((peaks["offload"] + peaks["resident"]) // 2), **mesh)

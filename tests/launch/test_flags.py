@@ -92,8 +92,9 @@ def test_bad_values_fail_at_parse_naming_the_flag(args, expected):
 
 def test_relative_model_config_prefers_cwd_then_repo_root(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert launch_flags.config_from_flags(_parse()).model == tiny_model_config()  # from the repo root
-    local = tmp_path / "configs" / "models" / "tiny.json"
+    demo = ModelConfig.from_json_file(REPO / "configs" / "models" / "demo.json")  # the default --model_config
+    assert launch_flags.config_from_flags(_parse()).model == demo  # from the repo root
+    local = tmp_path / "configs" / "models" / "demo.json"
     local.parent.mkdir(parents=True)
     local.write_text(json.dumps(tiny_model_config(text=dict(num_hidden_layers=3)).to_hf_dict()))
     assert launch_flags.config_from_flags(_parse()).model.text.num_hidden_layers == 3
