@@ -5,8 +5,10 @@
 Modes: serial; rollplex (prefix sharing + overlap); overlap_only (--noprefix_sharing);
 sharing_only (--nooverlap). Each runs warm-up steps (compilation) then timed steps from the
 same initial params and prompts; step_s is the median timed step. The updated params of every
-mode are compared with serial's (max over tensors of ||a - b|| / ||b||, attention key biases
-excluded: their exact gradient is zero, see tests/programs/test_rollplex_equivalence.py).
+mode are compared with serial's in units of the update (``rollplex_jax.equivalence``: per-element
+|a - b| / (lr x updates), attention key biases excluded, their exact gradient is zero): equivalent
+when the 99.9th percentile is <= --bench_tolerance (max and percentile in ``update_diff``);
+``max_param_rel_diff`` (max over tensors of ||a - b|| / ||b||) is kept for reference.
 Prints one JSON line last (ARCHITECTURE.md); writes trace.json per mode and
 plots/timeline_compare.png (serial vs rollplex on one time axis) under --workdir.
 """
@@ -23,7 +25,9 @@ from launch import flags as launch_flags
 
 _STEPS = flags.DEFINE_integer("bench_steps", 5, "Timed steps per mode.", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("bench_warmup", 2, "Warm-up (compile) steps per mode.", lower_bound=0)
-_TOL = flags.DEFINE_float("bench_tolerance", 1e-4, "Largest relative param difference called equivalent.")
+_TOL = flags.DEFINE_float("bench_tolerance", 0.02, "Equivalent when the 99.9th percentile of the per-element param "
+                          "difference to serial is at most this fraction of the update scale (lr x updates): see "
+                          "rollplex_jax/equivalence.py.")
 
 MODES = {
     "serial": dict(schedule="serial"),
@@ -60,6 +64,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     import numpy as np
 
+    from rollplex_jax.equivalence import ZERO_GRADIENT, update_distance
     from rollplex_jax.trace import plot_timelines_side_by_side
 
     cfg = launch_flags.config_from_flags(flags.FLAGS)
@@ -70,8 +75,11 @@ def main(argv):
         print(f"bench: {name} step_s={results[name]['step_s']:.3f}", file=sys.stderr, flush=True)
     base = params["serial"]
     diffs = {name: max(float(np.linalg.norm(p[k] - base[k]) / (np.linalg.norm(base[k]) + 1e-30))
-                       for k in base if not k.endswith("self_attn.k_proj.bias"))
+                       for k in base if not k.endswith(ZERO_GRADIENT))
              for name, p in params.items() if name != "serial"}
+    updates = (_STEPS.value + _WARMUP.value) * cfg.rl.mini_batches
+    dist = {name: update_distance(p, base, lr=cfg.optim.lr, updates=updates)
+            for name, p in params.items() if name != "serial"}
     os.makedirs(os.path.join(cfg.run.workdir, "plots"), exist_ok=True)
     plot_timelines_side_by_side({"serial": spans["serial"], "rollplex": spans["rollplex"]},
                                 os.path.join(cfg.run.workdir, "plots", "timeline_compare.png"))
@@ -79,8 +87,9 @@ def main(argv):
     out = {
         "modes": results,
         "speedup": {name: serial_s / results[name]["step_s"] for name in MODES if name != "serial"},
-        "equivalent": all(d <= _TOL.value for d in diffs.values()),
-        "max_param_rel_diff": max(diffs.values()),
+        "equivalent": all(d["p999"] <= _TOL.value for d in dist.values()),
+        "update_diff": {name: {k: d[k] for k in ("max", "p999", "worst")} for name, d in dist.items()},
+        "max_param_rel_diff": max(diffs.values()),  # per-tensor ||a - b|| / ||b||, for reference
         "param_rel_diff": diffs,
     }
     print(json.dumps(out))

@@ -12,8 +12,9 @@ The comparison here is in units of the update itself: each AdamW step moves an e
 (|m_hat / sqrt(v_hat)| ~ 1), so after ``updates`` steps the motion scale is ``lr * updates``. Two runs
 that differ only by reduction order differ by a small fraction of it (measured <= 1e-3 of it: see the
 tests), while a real error (a wrong sign, a missing micro-batch, a stale prefix, a wrong mask) changes
-updates by O(lr) on many elements. Stated tolerance: |a - b| <= ``rel`` x lr x updates + 4 ulp(b), per
-element, ``rel`` = 2% by default (>= 20x the measured noise, <= 1/25 of one real update error). Gradient
+updates by O(lr) on many elements (``rollplex_jax.equivalence``). Stated tolerance: |a - b| <= ``rel`` x lr x
+updates + 4 ulp(b), per element, ``rel`` = 2% by default (>= 20x the measured noise, <= 1/25 of one real
+update error), with Adam eps 1e-6 in these tests (eps bounds the amplification at lr / eps). Gradient
 *scale* errors that Adam's normalisation hides are caught by the metrics (loss, grad_norm, kl) compared
 beside it, and where a test can by comparing the gradients themselves (``assert_same_gradients``).
 """
@@ -22,24 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-#: Tensors whose exact gradient is identically zero: adding q . b_k to every score of a query leaves the
-#: softmax unchanged, so what any program computes for the decoder's k bias is rounding noise, which AdamW
-#: turns into steps of up to lr; its value never changes an output. Excluded from update comparisons.
-ZERO_GRADIENT = ("self_attn.k_proj.bias",)
-
-
-def update_diffs(got: dict, ref: dict, *, lr: float, updates: int, rel: float = 0.02,
-                 exclude: tuple[str, ...] = ZERO_GRADIENT) -> dict[str, float]:
-    """Per tensor, the worst element's |got - ref| as a fraction of its tolerance (> 1 fails)."""
-    scale = rel * lr * max(updates, 1)
-    out = {}
-    for name, b in ref.items():
-        if name.endswith(exclude):
-            continue
-        a, b = np.asarray(got[name], np.float64), np.asarray(b, np.float64)
-        tol = scale + 4 * np.spacing(np.abs(b).astype(np.float32)).astype(np.float64)
-        out[name] = float((np.abs(a - b) / tol).max())
-    return out
+from rollplex_jax.equivalence import ZERO_GRADIENT, update_distance
 
 
 def assert_same_updates(got: dict, ref: dict, *, lr: float, updates: int, rel: float = 0.02,
@@ -47,11 +31,10 @@ def assert_same_updates(got: dict, ref: dict, *, lr: float, updates: int, rel: f
     """Asserts ``got`` and ``ref`` (final params of two runs from the same start) differ by at most ``rel``
     of the update scale per element (module docstring); returns the worst fraction of the tolerance."""
     assert set(got) == set(ref)
-    diffs = update_diffs(got, ref, lr=lr, updates=updates, rel=rel, exclude=exclude)
-    worst = max(diffs, key=diffs.get)
-    assert diffs[worst] <= 1.0, (f"{worst}: differs by {diffs[worst]:.3g} x the tolerance "
-                                 f"({rel} x lr {lr} x {updates} updates)")
-    return diffs[worst]
+    d = update_distance(got, ref, lr=lr, updates=updates, exclude=exclude)
+    assert d["max"] <= rel, (f"{d['worst']}: differs by {d['max']:.3g} of the update scale lr {lr} x {updates} "
+                             f"updates (> {rel})")
+    return d["max"] / rel
 
 
 def assert_same_gradients(got: dict, ref: dict, *, rtol: float = 1e-5,
