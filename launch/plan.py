@@ -10,6 +10,12 @@ JSON object as the last stdout line (``--format=json``: only that line). The for
 assume are in the ``rollplex_jax/planner/`` modules (``layouts``: the layouts; ``activations``: the per-layer
 formulas; ``types``: mesh, lengths, program model).
 
+  python -m launch.plan --flagfile=... --compile [--format=json]
+
+adds XLA's own bytes: every program of one step AOT-compiled for the plan's shapes (``rollplex_jax/aot.py``;
+nothing is allocated, a mesh runs on fake CPU devices), per program and per phase, and the plan's JAX-side
+bytes over them (``planned_vs_compiled``).
+
   python -m launch.plan --simulate --flagfile=... [--sim_hardware=H800|H100|H200|cpu] [--simulate_sweep]
       [--sim_response_mean=T] [--sim_disagg_split=0.5] [--plot_out=PATH]
 
@@ -55,6 +61,10 @@ _RECAL = flags.DEFINE_bool("sim_recalibrate", False, "Re-run the CPU calibration
 _REMAT = flags.DEFINE_enum("plan_remat", "layer", ["layer", "none"],
                            "Activation checkpointing: layer (only each layer's input is saved for the backward) "
                            "or none (today's JAX programs: every residual is saved).")
+_COMPILE = flags.DEFINE_bool("compile", False, "Also AOT-compile the run's real programs for these shapes on the "
+                             "backend present (nothing is allocated; with fake CPU devices for a mesh larger than "
+                             "the visible devices) and print XLA's bytes per program and phase beside the plan "
+                             "(rollplex_jax/aot.py).")
 
 
 def _lengths(cfg):
@@ -116,9 +126,11 @@ def sharing_table(ws: dict) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    cfg = launch_flags.config_from_flags(flags.FLAGS)
+    if _COMPILE.value:
+        _fake_devices(cfg.mesh.train_devices)
     from rollplex_jax import planner
 
-    cfg = launch_flags.config_from_flags(flags.FLAGS)
     if _SIMULATE.value:
         return simulate_main(cfg)
     try:
@@ -142,11 +154,58 @@ def main(argv):
         except planner.BudgetError as e:
             out["budget_decision"] = {"policy": None, "error": str(e)}
             budget_line += f"; with --hbm_budget={cfg.memory.hbm_budget}: {e}"
+    if _COMPILE.value:
+        out.update(compiled_section(cfg, lengths, p))
     if _FORMAT.value == "table":
         print(f"memory plan: {cfg.model.dtype}, {p.params.total:,} params, {p.devices} devices, per device")
         print(table(p, budget_line))
         print(sharing_table(out["weight_sharing"]))
+        if _COMPILE.value:
+            print(compiled_table(out))
     print(json.dumps(out))
+
+
+def compiled_section(cfg, lengths, p) -> dict:
+    """``compiled`` (per program: XLA's temp/argument/output/alias/total bytes per device) and, per phase of the
+    schedule's layout, the compiled bytes and ``planned_vs_compiled`` (the plan's JAX-side bytes / compiled)."""
+    from rollplex_jax import aot
+
+    c = aot.compiled_memory(cfg, lengths, policy=p.optimizer_policy, frames=_FRAMES.value)
+    out = {"compiled": {k: v.to_dict() for k, v in c.programs.items()},
+           "compiled_phases": c.to_dict()["phases"]}
+    if cfg.run.schedule == "rollplex":  # the planner has no layout of our serial schedule (naive = a baseline)
+        out["planned_vs_compiled"] = {ph: round(p.jax_bytes("rollplex", ph) / max(b, 1), 4)
+                                      for ph, b in c.phase_bytes.items()}
+    return out
+
+
+def compiled_table(out: dict) -> str:
+    from rollplex_jax import planner
+
+    gib = lambda b: f"{b / planner.GiB:10.3f}"  # noqa: E731
+    lines = ["", "AOT-compiled programs (GiB per device): temp, arguments, outputs, aliases, total"]
+    for name, v in out["compiled"].items():
+        lines.append(f"  {name:<16}" + "".join(gib(v[k]) for k in ("temp_bytes", "argument_bytes", "output_bytes",
+                                                                       "alias_bytes", "total_bytes")))
+    lines.append("per phase: the largest program with the phase's other live state (GiB per device)"
+                 + ("; planned / compiled" if "planned_vs_compiled" in out else ""))
+    for ph, v in out["compiled_phases"].items():
+        ratio = out.get("planned_vs_compiled", {}).get(ph)
+        lines.append(f"  {ph:<8}{gib(v['bytes'])}  ({v['program']})" + (f"  {ratio:.3f}" if ratio else ""))
+    return "\n".join(lines)
+
+
+def _fake_devices(n: int) -> None:
+    """Before JAX starts: enough fake CPU devices for an n-device mesh (a GPU backend, if any, stays the
+    default; aot.py falls back to the CPU devices when it has fewer)."""
+    import os
+    import sys
+
+    if "jax" in sys.modules or n <= 1:
+        return
+    xla = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in xla:
+        os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={n}".strip()
 
 
 def simulate_main(cfg):

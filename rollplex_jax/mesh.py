@@ -79,6 +79,18 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh,
             for name, (shape, axes) in param_specs(cfg).items()}
 
 
+def constrain_like_params(tree: Mapping[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
+    """Inside a program: a params-shaped dict (gradients) laid out as the parameters are (``TRAIN_RULES`` on the
+    mesh in context), so that what is added to it or updated from it keeps the params' layout. A no-op
+    without a mesh in context (one device)."""
+    m = jax.sharding.get_abstract_mesh()
+    if m.empty or not set(AXES) <= set(m.axis_names):
+        return dict(tree)
+    specs = param_specs(cfg)
+    return {k: jax.lax.with_sharding_constraint(g, partition_spec(g.shape, specs[k][1], m)) if k in specs else g
+            for k, g in tree.items()}
+
+
 def place(params: Mapping[str, jax.Array], shardings: Mapping[str, NamedSharding]) -> dict[str, jax.Array]:
     """``params`` laid out by ``shardings`` in buffers of their own: the output of a program, since
     ``device_put`` lets a replicated shard on the source's device alias the source buffer (even with

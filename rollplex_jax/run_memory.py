@@ -68,18 +68,15 @@ def optimizer_policy(cfg: Config, lengths: planner.Lengths, log) -> str:
 def planned_vs_measured(plan: planner.Plan, measured: dict) -> dict:
     """Per phase: the planned peak of what JAX can see (the torch engine's KV cache and working set
     excluded: measured on GPU by the backend's stats, not on CPU), the measured peak, and their ratio."""
-    layout = plan.layouts["rollplex"]
     out = {}
-    for phase, classes in layout.items():
+    for phase in plan.layouts["rollplex"]:
         key = f"memory/{phase}_peak_bytes"
         if key not in measured:
             continue
-        torch_side = classes.get("rollout_kv", 0) + (plan.details["engine_activation_bytes"] if phase == "rollout"
-                                                      else 0)
-        planned = sum(classes.values()) - torch_side
-        out[phase] = {"planned_bytes": int(planned), "measured_bytes": int(measured[key]),
+        planned = plan.jax_bytes("rollplex", phase)
+        out[phase] = {"planned_bytes": planned, "measured_bytes": int(measured[key]),
                       "planned_over_measured": round(planned / max(measured[key], 1.0), 4),
-                      "planned_torch_bytes": int(torch_side)}
+                      "planned_torch_bytes": plan.peak("rollplex", phase) - planned}
     return out
 
 

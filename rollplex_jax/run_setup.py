@@ -128,10 +128,11 @@ def tracked(meter: MemoryMeter, programs, split):
                                    grad=t(programs.grad, "train", "grad"))
     programs.optimizer.track(meter)
     if split is not None:
-        split = dataclasses.replace(split, vision=t(split.vision, "rollout", "vision"),
-                                    actor_prefix=t(split.actor_prefix, "rollout", "actor_prefix"),
-                                    ref_prefix=t(split.ref_prefix, "rollout", "ref_prefix"),
-                                    suffix_logp=t(split.suffix_logp, "score", "suffix_logp"),
-                                    grads_residuals=t(split.grads_residuals, "train", "grads_residuals"),
-                                    grads_recompute=t(split.grads_recompute, "train", "grads_recompute"))
+        split = dataclasses.replace(
+            split, vision=t(split.vision, "rollout", "vision"), prefix=t(split.prefix, "rollout", "prefix"),
+            actor_prefix=split.actor_prefix.wrapped(lambda f: t(f, "rollout", "actor_prefix")),
+            suffix_logp=t(split.suffix_logp, "score", "suffix_logp"),
+            suffix_grads=t(split.suffix_grads, "train", "suffix_grads"),
+            prefix_vjp=t(split.prefix_vjp, "train", "prefix_vjp"),
+            grads_recompute=t(split.grads_recompute, "train", "grads_recompute"))
     return programs, split

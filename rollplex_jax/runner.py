@@ -103,7 +103,7 @@ class Runner:
                                    max_workers=cfg.rl.reward_workers, on_failure=cfg.rl.reward_failure)
         split = None
         if cfg.run.schedule == "rollplex":
-            split = make_split_programs(cfg.model, cfg.rl, residuals=cfg.run.actor_prefix == "residuals")
+            split = make_split_programs(cfg.model, cfg.rl)
         if cfg.memory.measure_memory:
             self.programs, split = run_setup.tracked(self.meter, self.programs, split)
         gather = multihost.ReplicatedCopy(self.mesh) if self.procs.many else None

@@ -32,8 +32,9 @@ from rollplex_jax.programs.actor import Programs
 from rollplex_jax.programs.sequences import mini_batch_rows, select_rows
 from rollplex_jax.rl import advantages as adv_lib
 from rollplex_jax.rl import losses
+from rollplex_jax.rollplex_ops import RollplexOps
 from rollplex_jax.sharing import WeightPublisher
-from rollplex_jax.step_ops import Ops, RollplexOps, SerialOps
+from rollplex_jax.step_ops import Ops, SerialOps
 from rollplex_jax.trace import Tracer
 
 
@@ -78,6 +79,12 @@ def _mark(ctx: StepContext, phase: str, params, opt_state, ref_params, ops=None,
         return
     ctx.meter.mark(phase, compute_weights=params, ref_weights=ref_params, optimizer_state=opt_state.chunks,
                    master_weights=opt_state.master, gradients=grads, **(ops.live() if ops is not None else {}))
+
+
+def _mark_live(ctx: StepContext, params, opt_state, ref_params, ops, held: dict) -> None:
+    """What is live in the middle of a mini-batch's gradient loop (``held``: the loop's own buffers by class)."""
+    ctx.meter.mark("train", compute_weights=params, ref_weights=ref_params, optimizer_state=opt_state.chunks,
+                   master_weights=opt_state.master, **ops.live(), **held)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +177,7 @@ def rollplex_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers
     prefix/suffix split, with the prefix programs dispatched before decoding when ``--overlap``."""
     tracer = tracer or Tracer()
     t0 = time.perf_counter()
-    ops = RollplexOps(ctx.cfg, ctx.split, state, prompts, tracer, step, version=step)
+    ops = RollplexOps(ctx.cfg, ctx.split, ctx.programs.accumulate, state, prompts, tracer, step, version=step)
     overlap = ctx.cfg.run.overlap
     rollouts, texts, rewards, failures = _rollout_and_rewards(
         ctx, state, prompts, answers, seed, tracer, step, during_decode=ops.dispatch if overlap else None)
@@ -239,6 +246,8 @@ def _train(ctx: StepContext, state: TrainState, ops: Ops, adv, mask, ref_logp, t
     skipped = 0
     for rows in mini_batch_rows(mask.shape[0], n_mini):
         weights = losses.token_weights(mask[rows], cfg.rl.loss_agg)
+        if ctx.meter is not None:  # what is live inside the gradient loop (e.g. the boundary cotangents)
+            ops.on_live = functools.partial(_mark_live, ctx, params, opt_state, state.ref_params, ops)
         with tracer.span("JAX suffix", "actor", step):
             grads, parts = ops.grads(params, rows, weights, adv, old_logp, ref_logp, version)
             jax.block_until_ready(grads)

@@ -23,7 +23,6 @@ from rollplex_jax.planner.activations import (
     BWD_FACTOR,
     prefix_residual_bytes,
     saved_activations,
-    weight_copy_bytes,
 )
 from rollplex_jax.planner.budget import Budget, choose_optimizer_policy, plan, smallest_budget
 from rollplex_jax.planner.layouts import WEIGHT_SHARING_RULE, build_plan, sharing_classification
@@ -50,5 +49,5 @@ __all__ = [
     "ATTENTIONS", "BWD_FACTOR", "CURRENT_PROGRAMS", "DEFAULT_PROGRAMS", "LAYOUTS", "REMATS", "WEIGHT_SHARING_RULE",
     "Budget", "BudgetError", "GiB", "KiB", "Lengths", "MiB", "ParamCounts", "Plan", "PlanMesh", "ProgramModel",
     "build_plan", "choose_optimizer_policy", "human_bytes", "param_counts", "plan", "prefix_residual_bytes",
-    "saved_activations", "sharing_classification", "smallest_budget", "weight_copy_bytes",
+    "saved_activations", "sharing_classification", "smallest_budget",
 ]

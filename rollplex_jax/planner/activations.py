@@ -22,10 +22,11 @@ plus the final norm / last-token logits input, the vision merger (5 [n/4, 4 dv] 
 index arrays. With per-layer activation checkpointing (``remat='layer'``) only each layer's and
 block's input ([r, t, D] and [n, dv] in the dtype), the rotary tables and masks are saved.
 
-Prefix residuals (the pytree ``jax.vjp`` returns from the actor prefix program), per device: the saved
-activations of the prefix forward over the prompt rows, divided by tp, plus a copy of every linear
-weight the backward reads (jit outputs never alias non-donated inputs in JAX: measured on CPU, the
-returned weights are fresh buffers), divided by fsdp*tp, plus the patches (cast to the dtype).
+Prefix residuals (the vjp residuals the actor prefix program returns, ``programs.split.ResidualPrefix``),
+per device: the saved activations of the prefix forward over the prompt rows, divided by tp, plus the
+patches (cast to the dtype). No weights: the residuals that are parameters (every linear weight the
+backward reads) are left out and the params are passed to the prefix vjp again (issue 17; before, jit
+returned them as fresh copies: 7.6 GiB per device at 32B).
 
 Transient working sets (phase-local temporaries):
 - ``layer_temp(r, t, tk)`` = r t (3 F + (H + 2 K) d + 3 D) b + attention (dense: r H t tk (8 + b);
@@ -41,7 +42,7 @@ from __future__ import annotations
 import math
 
 from rollplex_jax.config import ModelConfig
-from rollplex_jax.planner.types import CURRENT_PROGRAMS, F32, ProgramModel, dtype_bytes, model_param_counts
+from rollplex_jax.planner.types import CURRENT_PROGRAMS, F32, ProgramModel, dtype_bytes
 
 # Layer working sets a backward step holds beside the saved activations (see the module doc).
 BWD_FACTOR = 1
@@ -163,20 +164,9 @@ def prefix_residual_bytes(m: ModelConfig, rows: int, prompt_tokens: int, vision_
                           pm: ProgramModel = CURRENT_PROGRAMS, *, tp: int = 1, weight_shards: int = 1,
                           vision: bool = True) -> float:
     """Bytes of the actor prefix's vjp residuals on one device: saved activations of ``rows`` prompts
-    (divided by tp), a copy of the linear weights the backward reads (divided by ``weight_shards``)."""
+    (divided by tp); the weights are not among them (``weight_shards`` is kept for callers, unused)."""
     unit = m.vision.spatial_merge_size**2
     vision = vision and vision_tokens > 0  # no patches: the vision tower does not run
     n = rows * vision_tokens * unit if vision else 0
     acts = saved_activations(m, rows, prompt_tokens, prompt_tokens, n, pm)
-    return acts / tp + weight_copy_bytes(m, vision) / weight_shards
-
-
-def weight_copy_bytes(m: ModelConfig, vision: bool = True) -> int:
-    """Bytes of the linear weights a prefix backward reads (returned as fresh buffers in the residuals)."""
-    return (model_param_counts(m, False).linear - (0 if vision else _vision_linear(m))) * dtype_bytes(m)
-
-
-def _vision_linear(m: ModelConfig) -> int:
-    v = m.vision
-    dv, fv, mm = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size**2
-    return v.depth * (4 * dv * dv + 3 * fv * dv) + mm * mm + m.text.hidden_size * mm
+    return acts / tp

@@ -49,8 +49,9 @@ Activations (phase-local temporaries of the largest program in a phase), per dev
   program), the backward's layer working set, the fp32 logits, their cotangent and log-softmax, and
   one gradient-sized buffer (the micro-batch's gradient before it is added to the accumulator, or the
   suffix and prefix parts before they are added); rollplex: the suffix over Tr tokens attending
-  Tp + Tr keys, the prefix vjp over the prompt rows and the boundary-KV cotangents (with
-  ``--actor_prefix=recompute``, also the recomputed prefix's saved activations);
+  Tp + Tr keys per micro-batch, then the prefix vjp over the first mini-batch's prompt rows and the
+  boundary-KV cotangents accumulated for them (with ``--actor_prefix=recompute``, the recomputed prefix
+  of one micro-batch's prompt rows: its saved activations and backward);
 - update: the clipped gradients (a copy) and the fp32 AdamW temporaries (cast gradients and the
   update) over the optimizer shard: all of it at once (naive), one chunk at a time (rollplex).
 - other: the prompts' inputs (fp32 patches, ids, masks, positions) and the rollouts; naive keeps
@@ -85,7 +86,6 @@ from rollplex_jax.planner.activations import (
     one_layer_saved,
     prefix_residual_bytes,
     saved_activations,
-    weight_copy_bytes,
 )
 from rollplex_jax.planner.types import (
     CURRENT_PROGRAMS,
@@ -240,6 +240,13 @@ def _rollplex_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: Pro
     vision_in_prefix = not cfg.optim.freeze_vision
     nv = Bp * patches if vision_in_prefix else 0
     residuals = cfg.run.actor_prefix == "residuals"
+    # The residual path keeps the vjp residuals of the first mini-batch's prefix rows and runs their vjp once
+    # after the micro-batches; the recompute path recomputes each micro-batch's own prefix rows.
+    res_rows = math.ceil(Bp / cfg.rl.mini_batches)
+    n_ans = cfg.rollout.group_size if cfg.run.prefix_sharing else 1
+    mb_rows = math.ceil(max(1, cfg.rl.micro_batch // n_ans) / mesh.batch_shards)
+    bwd_rows = res_rows if residuals else mb_rows
+    nb = bwd_rows * patches if vision_in_prefix else 0
     prefix_fwd_tmp = (2 * Bp * Tp * x.hidden_size * b
                       + max(layer_temp(m, Bp, Tp, Tp, pm),
                             block_temp(m, nv, pm, patches) + 2 * nv * v.hidden_size * b)) / tp
@@ -250,17 +257,20 @@ def _rollplex_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: Pro
                     + BWD_FACTOR * layer_temp(m, r_s, Tr, Tp + Tr, pm)
                     + one_layer_saved(m, r_s, Tr, Tp + Tr, 0, pm)) / tp \
         + r_s * s.logits_row * Tr * (2 * F32 + b + 2 * F32)
-    prefix_bwd = (BWD_FACTOR * max(layer_temp(m, Bp, Tp, Tp, pm), block_temp(m, nv, pm, patches))
-                  + one_layer_saved(m, Bp, Tp, Tp, nv, pm)) / tp
-    recompute_saved = 0.0 if residuals else saved_activations(m, Bp, Tp, Tp, nv, pm, per_image=patches) / tp
-    one_kv = x.num_hidden_layers * Bp * Tp * 2 * _kv_heads(m, tp) * x.head_dim * b + Bp * x.vocab_size * F32
+    prefix_bwd = (BWD_FACTOR * max(layer_temp(m, bwd_rows, Tp, Tp, pm), block_temp(m, nb, pm, patches))
+                  + one_layer_saved(m, bwd_rows, Tp, Tp, nb, pm)) / tp
+    recompute_saved = 0.0 if residuals else saved_activations(m, mb_rows, Tp, Tp, nb, pm, per_image=patches) / tp
+    kv_row = x.num_hidden_layers * Tp * 2 * _kv_heads(m, tp) * x.head_dim * b + x.vocab_size * F32
+    one_kv = Bp * kv_row
     return {
         "one_kv": one_kv,
-        "prefix_res": prefix_residual_bytes(m, Bp, Tp, Tv, pm, tp=tp, weight_shards=mesh.weight_shards,
+        "prefix_res": prefix_residual_bytes(m, res_rows, Tp, Tv, pm, tp=tp, weight_shards=mesh.weight_shards,
                                             vision=vision_in_prefix) if residuals else 0.0,
         "rollout": s.engine_tmp + prefix_fwd_tmp,
         "score": suffix_score if cfg.rl.uses_reference else 0.0,
-        "train": recompute_saved + max(suffix_train, prefix_bwd) + one_kv + s.compute,
+        # the boundary cotangents accumulated over the micro-batches (residual path: its rows' k, v, last)
+        "train": recompute_saved + max(suffix_train, prefix_bwd) + (res_rows * kv_row if residuals else 0.0)
+        + s.compute,
         "emb": 0.0 if vision_in_prefix else Bp * Tv * x.hidden_size * b,
     }
 
@@ -296,9 +306,9 @@ def _assumptions(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
                  policy: str) -> list[str]:
     Tp, Tv, Tr = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens
     patches = Tv * cfg.model.vision.spatial_merge_size**2
-    actor_how = ("keeps its vjp residuals (incl. a copy of the linear weights: jit outputs never alias "
-                 "non-donated inputs)" if cfg.run.actor_prefix == "residuals"
-                 else "is recomputed in the update (only its boundary KV is kept)")
+    actor_how = ("keeps its vjp residuals (no weights: the params are passed to the prefix vjp again) for the "
+                 "first mini-batch's prefix rows" if cfg.run.actor_prefix == "residuals"
+                 else "is recomputed in the update, micro-batch by micro-batch (only its boundary KV is kept)")
     offload, chunks, c = policy == "offload", cfg.memory.optimizer_chunks, s.classification
     return [
         pm.describe() + (" [calibrated against jax.eval_shape of today's programs]" if pm == CURRENT_PROGRAMS
@@ -312,7 +322,7 @@ def _assumptions(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         "compute weights, gradients and reference weights sharded over fsdp*tp; fp32 master weights and Adam "
         "moments over all devices (distributed optimizer / ZeRO-1)",
         f"micro-batch: {cfg.rl.micro_batch} rows globally -> {s.r_mb} per device (scoring and training run one "
-        "micro-batch per program; today's rollplex suffix programs take a whole mini-batch per call)",
+        "micro-batch per program, in both schedules)",
         f"rollout KV cache: {s.rows_roll} sequences x {Tp + Tr} tokens per engine replica, no prompt sharing "
         "inside the engine (an upper bound for vLLM's prefix caching); naive colocation keeps it allocated in "
         "every phase, rollplex only during the rollout",
@@ -330,8 +340,6 @@ def _assumptions(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
 
 
 def _details(cfg: Config, lengths: Lengths, mesh: PlanMesh, s: Sizes) -> dict:
-    residuals = cfg.run.actor_prefix == "residuals"
-    vision = not cfg.optim.freeze_vision and lengths.vision_tokens > 0
     return {
         "prefix_rows_per_device": prefix_rows(cfg, mesh),
         "answers_per_prefix": cfg.rollout.group_size if cfg.run.prefix_sharing else 1,
@@ -339,8 +347,6 @@ def _details(cfg: Config, lengths: Lengths, mesh: PlanMesh, s: Sizes) -> dict:
         "batch_shards": mesh.batch_shards, "data_parallel": mesh.dp, "optimizer_chunks": cfg.memory.optimizer_chunks,
         # torch-side figures (the rollout engine's working set), not visible to JAX's live-array count:
         "engine_activation_bytes": int(s.engine_tmp), "rollout_kv_bytes": int(s.rollout_kv),
-        "prefix_residuals_weight_copy_bytes": int(weight_copy_bytes(cfg.model, vision) / mesh.weight_shards)
-        if residuals else 0,
     }
 
 

@@ -225,6 +225,14 @@ class Plan:
     def peak_bytes(self, layout: str) -> int:
         return max(self.peak(layout, p) for p in PHASES)
 
+    def jax_bytes(self, layout: str, phase: str) -> int:
+        """The phase's planned bytes that JAX holds: without the torch engine's KV cache and working set
+        (what ``memory.MemoryMeter`` measures on CPU and ``aot.compiled_memory`` compiles)."""
+        classes = self.layouts[layout][phase]
+        torch_side = classes.get("rollout_kv", 0) + (self.details["engine_activation_bytes"] if phase == "rollout"
+                                                      else 0)
+        return int(sum(classes.values()) - torch_side)
+
     def peak_phase(self, layout: str) -> str:
         return max(PHASES, key=lambda p: self.peak(layout, p))
 

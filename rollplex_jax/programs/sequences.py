@@ -93,3 +93,19 @@ def mini_batch_rows(n_rows: int, n_mini: int) -> list[slice]:
     """Contiguous row ranges of the mini-batches (whole rows; sizes differ by at most one)."""
     edges = np.linspace(0, n_rows, n_mini + 1).round().astype(int)
     return [slice(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
+
+
+def vision_token_rows(cfg: ModelConfig, prompts: Prompts, rows) -> np.ndarray:
+    """Indices, into the vision tower's output for all of ``prompts`` (image tokens of every image in batch
+    order, then video tokens), of the tokens of prompt rows ``rows`` in the order ``select_rows`` gives them
+    (the rows' images, then their videos): a frozen vision encoding sliced for a subset of the prompts."""
+    merge = cfg.vision.spatial_merge_size**2
+    out, offset = [], 0
+    for tok, grids in ((cfg.image_token_id, prompts.image_grid_thw), (cfg.video_token_id, prompts.video_grid_thw)):
+        grids = np.zeros((0, 3), np.int64) if grids is None else np.asarray(grids)
+        counts = np.prod(grids, -1) // merge
+        starts = offset + np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        owner = items_per_row(prompts, tok, grids, merge)
+        out += [np.arange(starts[i], starts[i + 1]) for r in np.asarray(rows, np.int64) for i in owner[r]]
+        offset = int(starts[-1])
+    return np.concatenate(out) if out else np.zeros((0,), np.int64)

@@ -1,27 +1,32 @@
 """Programs of the Rollplex schedule: prefix work that may run while the rollout decodes, and suffixes.
 
-The loss is the serial one (``actor._loss``) computed through the split: the prompt's
-boundary KV comes from a *prefix* program, the answers' log-probs from a *suffix* program
-that attends to it. The actor's prefix either keeps its autograd residuals
-(``jax.vjp`` inside jit, returned as a pytree) or keeps only the boundary KV and is
-recomputed inside the update (``--actor_prefix=recompute``). Either way the gradient is
-the full gradient: suffix gradients plus ``prefix_vjp(d boundary KV)``, which reaches the
+The loss is the serial one (``actor.objective``) computed through the split: the prompt's boundary
+KV comes from a *prefix* program, the answers' log-probs from a *suffix* program that attends to it.
+The actor's prefix either keeps its autograd residuals (``jax.vjp`` inside jit) or keeps only the
+boundary KV and is recomputed inside the update (``--actor_prefix=recompute``). Either way the
+gradient is the full gradient: suffix gradients plus ``prefix_vjp(d boundary KV)``, which reaches the
 decoder's prompt positions, the merger and the vision tower.
 
-| program (``SplitPrograms``) | donates | notes                                                        |
-|-----------------------------|---------|--------------------------------------------------------------|
-| ``vision``                  | nothing | frozen vision tower: encoded once, shared by actor and ref   |
-| ``actor_prefix``            | nothing | reads theta_k; boundary KV (+ vjp residuals)                 |
-| ``ref_prefix``              | nothing | reads the reference params; boundary KV                      |
-| ``suffix_logp``             | nothing | answer log-probs given a boundary KV: under the reference    |
-|                             |         | (reference scoring) or under theta_k (old log-probs, KL)     |
-| ``grads_residuals``         | nothing | suffix loss -> gradients w.r.t. params and boundary, then    |
-|                             |         | the prefix's vjp of the latter (``--actor_prefix=residuals``) |
-| ``grads_recompute``         | nothing | the same gradient with the prefix forward recomputed inside  |
-|                             |         | (``--actor_prefix=recompute``, and later mini-batches)       |
+Every suffix program runs one micro-batch: answers ``[size, n, Tr]`` of prefix rows ``[p0, p0 + size)``
+of a boundary state; the boundary's rows are sliced inside the program (``dynamic_slice``: no host
+copy), so a micro-batch costs its own rows. Cotangents of the boundary are accumulated over the
+micro-batches of a mini-batch and the prefix's vjp runs once, at the end.
 
-Both gradient programs run the whole B*G answers of the step, with zero token weights outside the
-mini-batch's rows (``step_ops.RollplexOps.grads``); ``--micro_batch`` does not split them.
+No weights in the saved state: ``jax.vjp`` keeps every linear weight among its residuals (the
+backward of ``x @ W`` reads ``W``) and a jit output never aliases a non-donated input, so returning the
+vjp would copy the weights. ``ResidualPrefix`` returns only the residuals that are not parameters
+(found by identity while tracing) and ``prefix_vjp`` takes the params again to rebuild the vjp.
+
+| program (``SplitPrograms``) | donates         | notes                                                      |
+|-----------------------------|-----------------|------------------------------------------------------------|
+| ``vision``                  | nothing         | frozen vision tower: encoded once, shared by actor and ref |
+| ``prefix``                  | nothing         | (k, v, last) of prompt rows: reference; actor without vjp  |
+| ``actor_prefix``            | nothing         | (k, v, last, residuals without weights) under theta_k      |
+| ``suffix_logp``             | nothing         | a micro-batch's answer log-probs given a boundary state    |
+| ``suffix_grads``            | nothing         | a micro-batch's loss -> grads w.r.t. params and boundary   |
+| ``add_cotangent``           | the accumulator | adds a micro-batch's boundary cotangents at its rows       |
+| ``prefix_vjp``              | nothing         | params + residuals + boundary cotangents -> prefix grads   |
+| ``grads_recompute``         | nothing         | a micro-batch's gradient with its prefix recomputed inside |
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from rollplex_jax.config import ModelConfig, RlConfig
+from rollplex_jax.mesh import constrain_like_params
 from rollplex_jax.models.qwen2_5_vl.model import (
     ModelInputs,
     PrefixState,
@@ -51,66 +57,132 @@ def _prefix(cfg: ModelConfig, params, inputs: ModelInputs, vision_embeds):
     return state.k, state.v, last
 
 
-def _actor_prefix_residuals(cfg, params, inputs, vision_embeds):
-    (k, v, last), vjp = jax.vjp(lambda p: _prefix(cfg, p, inputs, vision_embeds), params)
-    return k, v, last, vjp
+def _signature(tree) -> tuple:
+    """Hashable structure + shapes + dtypes of a pytree (the key of one trace of a program)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
 
 
-def _suffix_logp(cfg, params, k, v, last, mask, next_pos, response_ids, response_mask):
-    state = PrefixState(k, v, mask, next_pos)
-    logits = suffix_forward(params, cfg, state, response_ids, response_mask)
+class ResidualPrefix:
+    """The actor prefix under ``jax.vjp``: ``(k, v, last, kept)`` where ``kept`` are the vjp's residuals that
+    are not parameters. ``meta(params, inputs, emb)`` gives what ``prefix_vjp`` needs to rebuild the vjp:
+    the residuals' tree structure and, per residual leaf, the parameter it is (or None), recorded when the
+    program was traced for those shapes."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self._meta: dict = {}
+        self.program = jax.jit(self._run)
+
+    def _run(self, params, inputs, emb):
+        (k, v, last), vjp = jax.vjp(lambda p: _prefix(self.cfg, p, inputs, emb), params)
+        leaves, treedef = jax.tree_util.tree_flatten(vjp)
+        by_id = {id(a): name for name, a in params.items()}
+        names = tuple(by_id.get(id(leaf)) for leaf in leaves)
+        self._meta[_signature((params, inputs, emb))] = (treedef, names)
+        return k, v, last, [leaf for leaf, name in zip(leaves, names, strict=True) if name is None]
+
+    def __call__(self, params, inputs, emb):
+        return self.program(params, inputs, emb)
+
+    def meta(self, params, inputs, emb):
+        return self._meta[_signature((params, inputs, emb))]
+
+    def lower(self, *args):
+        return self.program.lower(*args)
+
+    def wrapped(self, wrap) -> ResidualPrefix:
+        """The same program (and recorded layouts) with ``wrap`` around the jitted call (memory tracking)."""
+        out = object.__new__(ResidualPrefix)
+        out.cfg, out._meta, out.program = self.cfg, self._meta, wrap(self.program)
+        return out
+
+
+def _prefix_vjp(cfg, meta, params, kept, gk, gv, glast):
+    """The prefix's gradient w.r.t. params from its boundary cotangents; the vjp rebuilt from ``kept`` and
+    the params (``meta``: static, see ``ResidualPrefix``)."""
+    treedef, names = meta
+    it = iter(kept)
+    leaves = [params[name] if name is not None else next(it) for name in names]
+    (grads,) = jax.tree_util.tree_unflatten(treedef, leaves)((gk, gv, glast))
+    return constrain_like_params(grads, cfg)
+
+
+def _rows(size: int, p0, *arrays):
+    """Rows [p0, p0 + size) along axis 0 (``last``, masks) or 1 (k, v: [L, B, ...]) of each array."""
+    return [jax.lax.dynamic_slice_in_dim(a, p0, size, axis=1 if a.ndim == 5 else 0) for a in arrays]
+
+
+def _suffix_logp(cfg, size, params, k, v, last, mask, next_pos, p0, response_ids, response_mask):
+    k, v, last, mask, next_pos = _rows(size, p0, k, v, last, mask, next_pos)
+    logits = suffix_forward(params, cfg, PrefixState(k, v, mask, next_pos), response_ids, response_mask)
     return suffix_logprobs(last, logits, response_ids, response_mask), logits
 
 
 def _suffix_loss(cfg: ModelConfig, rl: RlConfig, params, k, v, last, mask, next_pos, response_ids, weights,
                  advantages, old_logp, ref_logp):
-    """The serial objective (``actor.objective``) on [B, N, Tr] answers over a shared prefix."""
-    logp, logits = _suffix_logp(cfg, params, k, v, last, mask, next_pos, response_ids, weights > 0)
+    """The serial objective (``actor.objective``) on [b, n, Tr] answers over their prefix rows' state."""
+    state = PrefixState(k, v, mask, next_pos)
+    logits = suffix_forward(params, cfg, state, response_ids, weights > 0)
+    logp = suffix_logprobs(last, logits, response_ids, weights > 0)
     b, n, t, vsz = logits.shape
     pred = jnp.concatenate([jnp.broadcast_to(last[:, None, None], (b, n, 1, vsz)), logits[:, :, :-1]], axis=2)
     return objective(rl, logp, pred, weights, advantages, old_logp, ref_logp)
 
 
-def _grads_residuals(cfg, rl, params, k, v, last, vjp, mask, next_pos, response_ids, weights, advantages,
-                     old_logp, ref_logp):
-    """Suffix gradients w.r.t. params and the boundary state, then the prefix's vjp of the latter."""
+def _suffix_grads(cfg, rl, size, params, k, v, last, mask, next_pos, p0, response_ids, weights, advantages,
+                  old_logp, ref_logp):
+    """A micro-batch's suffix gradients w.r.t. params and its rows' boundary state (k, v, last)."""
+    k, v, last, mask, next_pos = _rows(size, p0, k, v, last, mask, next_pos)
     loss_fn = functools.partial(_suffix_loss, cfg, rl)
-    (_, metrics), (g_suffix, gk, gv, glast) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2, 3), has_aux=True)(
+    (_, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 2, 3), has_aux=True)(
         params, k, v, last, mask, next_pos, response_ids, weights, advantages, old_logp, ref_logp)
-    (g_prefix,) = vjp((gk, gv, glast))
-    return jax.tree.map(jnp.add, g_suffix, g_prefix), metrics
+    return constrain_like_params(grads[0], cfg), grads[1:], metrics
+
+
+def _add_cotangent(acc, g, p0):
+    """acc (gk, gv, glast) over all prefix rows += a micro-batch's cotangents at rows [p0, p0 + size)."""
+    def add(a, x):
+        axis = 1 if a.ndim == 5 else 0
+        cur = jax.lax.dynamic_slice_in_dim(a, p0, x.shape[axis], axis=axis)
+        return jax.lax.dynamic_update_slice_in_dim(a, cur + x, p0, axis=axis)
+    return tuple(add(a, x) for a, x in zip(acc, g, strict=True))
 
 
 def _grads_recompute(cfg, rl, params, inputs, vision_embeds, response_ids, weights, advantages, old_logp,
                      ref_logp):
-    """Same gradient, with the prefix forward recomputed inside (only the boundary KV was kept)."""
+    """A micro-batch's gradient with its prefix forward recomputed inside (``inputs``: its prompt rows)."""
     def loss_fn(p):
         k, v, last = _prefix(cfg, p, inputs, vision_embeds)
         return _suffix_loss(cfg, rl, p, k, v, last, inputs.attention_mask.astype(bool), inputs.next_position,
                             response_ids, weights, advantages, old_logp, ref_logp)
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return grads, metrics
+    return constrain_like_params(grads, cfg), metrics
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitPrograms:
     vision: Callable
-    actor_prefix: Callable  # residuals: (k, v, last, vjp); recompute: (k, v, last)
-    ref_prefix: Callable
-    suffix_logp: Callable
-    grads_residuals: Callable
+    prefix: Callable  # (k, v, last)
+    actor_prefix: ResidualPrefix  # (k, v, last, kept residuals)
+    suffix_logp: Callable  # (size, params, k, v, last, mask, next_pos, p0, ids, mask) -> [size, n, Tr]
+    suffix_grads: Callable  # (size, params, k, v, last, mask, next_pos, p0, ids, w, adv, old, ref)
+    add_cotangent: Callable
+    prefix_vjp: Callable  # (meta, params, kept, gk, gv, glast)
     grads_recompute: Callable
 
 
-def make_split_programs(cfg: ModelConfig, rl: RlConfig, residuals: bool) -> SplitPrograms:
-    """Builds (jits) the Rollplex programs once."""
-    prefix = jax.jit(functools.partial(_prefix, cfg))
+def make_split_programs(cfg: ModelConfig, rl: RlConfig) -> SplitPrograms:
+    """Builds (jits) the Rollplex programs once. ``size`` (prefix rows of a micro-batch) and ``meta`` are
+    static: one compilation per micro-batch size, the boundary sliced inside."""
     return SplitPrograms(
         vision=jax.jit(lambda params, inputs: encode_vision(params, cfg, inputs)),
-        actor_prefix=jax.jit(functools.partial(_actor_prefix_residuals, cfg)) if residuals else prefix,
-        ref_prefix=prefix,
-        suffix_logp=jax.jit(lambda *a: _suffix_logp(cfg, *a)[0]),
-        grads_residuals=jax.jit(functools.partial(_grads_residuals, cfg, rl)),
+        prefix=jax.jit(functools.partial(_prefix, cfg)),
+        actor_prefix=ResidualPrefix(cfg),
+        suffix_logp=jax.jit(lambda size, *a: _suffix_logp(cfg, size, *a)[0], static_argnums=0),
+        suffix_grads=jax.jit(functools.partial(_suffix_grads, cfg, rl), static_argnums=0),
+        add_cotangent=jax.jit(_add_cotangent, donate_argnums=0),
+        prefix_vjp=jax.jit(functools.partial(_prefix_vjp, cfg), static_argnums=0),
         grads_recompute=jax.jit(functools.partial(_grads_recompute, cfg, rl)),
     )

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollplex_jax import scheduler, step_ops
+from rollplex_jax import rollplex_ops, scheduler
 from rollplex_jax.config import Config, DataConfig, ModelConfig, OptimConfig, RlConfig, RolloutConfig, RunConfig
 from rollplex_jax.data.dataset import collate
 from rollplex_jax.programs.sequences import micro_batches
@@ -31,13 +31,13 @@ TOL = 1e-5
 LR = 3e-3
 
 
-def _config(tmp_path, name, freeze=False, mini=1, **run) -> Config:
+def _config(tmp_path, name, freeze=False, mini=1, micro=4, **run) -> Config:
     model = ModelConfig.from_json_file(REPO / "configs" / "models" / "demo.json")
     return Config(
         model=model,
         data=DataConfig(synthetic_n=16, eval_n=0, min_pixels=3136, max_pixels=3136, max_prompt_len=64),
         rollout=RolloutConfig(group_size=4, max_new_tokens=3, max_batch=64),
-        rl=RlConfig(batch_prompts=2, micro_batch=4, kl_mode="loss", kl_coef=0.1,
+        rl=RlConfig(batch_prompts=2, micro_batch=micro, kl_mode="loss", kl_coef=0.1,
                     reward="tests.reward_fns:length_parity",
                     mini_batches=mini),
         # eps 1e-6 (AdamW's default 1e-8 turns gradient components of ~1e-7, pure fp32 rounding noise here,
@@ -94,16 +94,28 @@ def test_two_mini_batches_equal_serial(tmp_path):
     _compare(b, a, mini=2)
 
 
+@pytest.mark.parametrize("micro,mini,sharing", [(2, 2, True), (8, 1, True), (3, 1, False)])
+def test_micro_batches_equal_serial(tmp_path, micro, mini, sharing):
+    """The rollplex gradient programs in micro-batches of --micro_batch answers: half a prompt's answers per
+    micro-batch (2 < G = 4), two whole prompts (8), or 3 answer rows without prefix sharing; with two
+    mini-batches the second recomputes its prefix micro-batch by micro-batch."""
+    a = _run(_config(tmp_path, "s", mini=mini, micro=micro))
+    b = _run(_config(tmp_path, "r", mini=mini, micro=micro, schedule="rollplex", prefix_sharing=sharing))
+    _compare(b, a, mini=mini)
+
+
 def test_stale_boundary_raises():
-    b = step_ops.Boundary(version=3, k=None, v=None, last=None)
+    b = rollplex_ops.Boundary(version=3, k=None, v=None, last=None, mask=None, next_pos=None)
     b.check(3, "ok")
-    with pytest.raises(step_ops.StaleBoundaryError, match="version 3.*version 4"):
+    with pytest.raises(rollplex_ops.StaleBoundaryError, match="version 3.*version 4"):
         b.check(4, "actor update")
 
 
-def test_split_gradient_equals_full_gradient(tmp_path):
-    """Random answers and advantages: residual and recompute gradients = full-sequence gradient, per param."""
-    cfg = _config(tmp_path, "g", schedule="rollplex")
+@pytest.mark.parametrize("micro", [8, 4, 3])
+def test_split_gradient_equals_full_gradient(tmp_path, micro):
+    """Random answers and advantages: residual and recompute gradients = full-sequence gradient, per param,
+    in micro-batches of 8 (both prompts), 4 (one prompt) and 3 answers (a prompt's answers in chunks)."""
+    cfg = _config(tmp_path, "g", schedule="rollplex", micro=micro)
     r = Runner(cfg)
     prompts = collate(r.train_set[:2], 0)
     ro = scheduler.sample(r.ctx, r.state.params, prompts, n=4, seed=1)
@@ -121,7 +133,8 @@ def test_split_gradient_equals_full_gradient(tmp_path):
                                      adv[mb.rows], None, None)
         full = gr if full is None else jax.tree.map(jnp.add, full, gr)
 
-    ops = step_ops.RollplexOps(r.cfg, r.ctx.split, r.state, prompts, r.tracer, step=0, version=0).dispatch()
+    ops = rollplex_ops.RollplexOps(r.cfg, r.ctx.split, r.programs.accumulate, r.state, prompts, r.tracer, step=0,
+                                   version=0).dispatch()
     ops.set_rollouts(ro)
     split_res, _ = ops.grads(r.state.params, slice(0, b * g), w, adv, None, None, version=0)
     split_rec, _ = ops.grads(r.state.params, slice(0, b * g), w, adv, None, None, version=1)  # -> recompute
