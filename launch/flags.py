@@ -183,6 +183,8 @@ _HELP = {
     "synthetic_n": "Number of synthetic training prompts to write.",
     "synthetic_image_size": "Side in px of the synthetic images (56 = 2x2 vision tokens; 112 = 4x4).",
     "eval_n": "Number of held-out prompts for the final greedy evaluation (0 = skip).",
+    "image_cache_mb": "MiB of preprocessed image patches each dataset keeps (least recently used dropped first); "
+                      "images are decoded when a batch needs them. 0 = decode every time.",
     "engine": "Rollout engine: hf (transformers, everywhere) or vllm (where installed).",
     "group_size": "G: answers sampled per prompt.",
     "temperature": "Sampling temperature of training rollouts.",

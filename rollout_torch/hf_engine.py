@@ -7,7 +7,8 @@ view: 100% shared, nothing rebuilt). With params sharded over a training mesh (e
 engine (no tensor parallelism) runs on the mesh's first device: replicated params are aligned views
 of that device's shard, split ones are rebuilt (engine-owned full tensors, refilled in place on
 every bind). Generation is transformers' own ``generate`` (left padding, images and videos, M-RoPE);
-each answer is sampled from its own seeded generator (``SeededSampler``), whatever rows share its batch.
+each answer is sampled from its own seeded generator (``SeededSampler``), whatever rows share its batch, and
+the chosen tokens' log-probs are kept step by step (``ChosenLogprobs``): one step's [rows, vocab] at a time.
 """
 
 from __future__ import annotations
@@ -178,20 +179,53 @@ class HFEngine:
         kw = self._inputs(prompts, rows)
         greedy = sampling.temperature == 0
         # Sampling = argmax of the warped logits plus Gumbel noise drawn from each answer's own generator
-        # (SeededSampler), so an answer does not depend on which other rows share its batch.
+        # (SeededSampler), so an answer does not depend on which other rows share its batch. The log-probs are
+        # recorded step by step from the raw scores: ChosenLogprobs must run first, so this config makes generate
+        # add no processor of its own (min_new_tokens=0 would add a MinLengthLogitsProcessor before ours: a no-op
+        # clone; tests/rollout/test_stepwise_logprobs.py checks the list generate builds).
         gen = GenerationConfig(
-            do_sample=False, max_new_tokens=sampling.max_new_tokens, min_new_tokens=0,
-            eos_token_id=list(sampling.stop_token_ids) or None, pad_token_id=self.pad_token_id,
-            output_logits=True, return_dict_in_generate=True)
+            do_sample=False, max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=list(sampling.stop_token_ids) or None, pad_token_id=self.pad_token_id)
         kw = {k: v.to(self.device) for k, v in kw.items()}
-        procs = LogitsProcessorList([] if greedy else [SeededSampler(sampling, seeds, self.device)])
+        record = ChosenLogprobs()
+        procs = LogitsProcessorList([record] + ([] if greedy else [SeededSampler(sampling, seeds, self.device)]))
         with torch.no_grad():
-            out = self.model.generate(**kw, generation_config=gen, logits_processor=procs)
-        seqs = out.sequences[:, kw["input_ids"].shape[1]:]
-        logits = torch.stack(out.logits, dim=1).float()  # raw logits, before temperature/top-p
-        logp = torch.log_softmax(logits, -1).gather(-1, seqs[..., None])[..., 0].cpu().numpy()
-        new = seqs.cpu().numpy()
-        return _finish(new, logp, sampling.stop_token_ids, self.pad_token_id)
+            seqs = self.model.generate(**kw, generation_config=gen, logits_processor=procs)
+        seqs = seqs[:, kw["input_ids"].shape[1]:]
+        logp = record.finish(seqs).cpu().numpy()
+        return _finish(seqs.cpu().numpy(), logp, sampling.stop_token_ids, self.pad_token_id)
+
+
+class ChosenLogprobs(LogitsProcessor):
+    """Log-probs of the chosen tokens under the unmodified policy, kept step by step.
+
+    Placed first in generate's processor list, so ``scores`` are the raw fp32 logits of the current step (before
+    temperature, top-k/top-p and the SeededSampler's noise). Each call keeps that step's log-softmax [rows, V]
+    and, at the next call, gathers the token generate appended (``input_ids[:, -1]``), then drops it: at most one
+    step's [rows, V] is alive, never rows x steps x V (``output_logits=True`` stacked them all, ~40 GB for 64
+    rows x 1024 steps x 151,936). ``finish`` gathers the last step from the returned sequences. Finished rows
+    get the pad token from generate; their log-probs are zeroed later (``_finish``), as before.
+    """
+
+    def __init__(self):
+        self.chosen: list[torch.Tensor] = []  # [rows] float32 per finished step
+        self._step: torch.Tensor | None = None  # [rows, V] log-softmax of the step whose token is not known yet
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._step is not None:
+            self.chosen.append(self._step.gather(-1, input_ids[:, -1:])[:, 0])
+        self._step = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, new_ids: torch.Tensor) -> torch.Tensor:
+        """[rows, steps] log-probs of ``new_ids`` (the generated tokens, prompt removed)."""
+        steps = new_ids.shape[1]
+        if len(self.chosen) < steps and self._step is not None:
+            self.chosen.append(self._step.gather(-1, new_ids[:, len(self.chosen):len(self.chosen) + 1])[:, 0])
+        self._step = None
+        if len(self.chosen) < steps:
+            raise RuntimeError(f"recorded {len(self.chosen)} decode steps for {steps} generated tokens")
+        return torch.stack(self.chosen[:steps], dim=1)  # generate may run (and undo) one extra step
 
 
 def answer_seeds(seed: int, first_prompt: int, n_prompts: int, n: int) -> np.ndarray:

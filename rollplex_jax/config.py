@@ -48,6 +48,8 @@ class DataConfig:
     ``dataset`` is a JSONL file of rows {"images": [...], "prompt": ..., "answer": ...}; when it
     is empty, a built-in synthetic task (``synthetic_task``) is written into the workdir in
     that same format. ``eval_dataset`` (or a fresh synthetic set) feeds the greedy evaluation.
+    Rows are checked at load time from their lines and image headers; pixels are decoded per batch,
+    with ``image_cache_mb`` of preprocessed images kept per dataset (``data/image_cache.py``).
     """
 
     dataset: str = ""
@@ -59,6 +61,7 @@ class DataConfig:
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     max_prompt_len: int = 2048
+    image_cache_mb: int = 1024  # per dataset: preprocessed patches of recently used images (0 = none)
 
     def __post_init__(self):
         _require(self.min_pixels > 0, "data.min_pixels", self.min_pixels, "must be > 0")
@@ -70,6 +73,7 @@ class DataConfig:
         _require(self.synthetic_image_size >= 56, "data.synthetic_image_size", self.synthetic_image_size,
                  "must be >= 56 px")
         _require(self.eval_n >= 0, "data.eval_n", self.eval_n, "must be >= 0")
+        _require(self.image_cache_mb >= 0, "data.image_cache_mb", self.image_cache_mb, "must be >= 0 (0 = no cache)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,20 +9,16 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from rollplex_jax import planner
 from rollplex_jax.config import Config, ConfigError
+from rollplex_jax.data.dataset import Dataset
 from rollplex_jax.memory import peak_row
 
 
-def data_lengths(cfg: Config, examples) -> planner.Lengths:
-    """The planner's lengths for this run: the dataset's longest prompt and most vision tokens, the
-    longest answer the rollout may sample."""
-    unit = cfg.model.vision.spatial_merge_size ** 2
-    prompt = max(len(e.prompt_ids) for e in examples)
-    vision = max(int(np.prod(e.image_grid_thw, axis=-1).sum()) // unit if len(e.image_grid_thw) else 0
-                 for e in examples)
+def data_lengths(cfg: Config, examples: Dataset) -> planner.Lengths:
+    """The planner's lengths for this run: the dataset's longest prompt and most vision tokens (from the
+    load-time metadata: no line or pixel is read), the longest answer the rollout may sample."""
+    prompt, vision = int(examples.prompt_lengths.max()), int(examples.vision_tokens.max())
     return planner.Lengths(prompt, vision, cfg.rollout.max_new_tokens,
                            source=f"the training set's longest prompt ({prompt} tokens, {vision} vision tokens) "
                                   f"and --max_new_tokens ({cfg.rollout.max_new_tokens})")

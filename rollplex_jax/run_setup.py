@@ -60,7 +60,7 @@ def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
 
 
 def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split: str, path: str, n: int, seed: int,
-               log) -> tuple[list[data_lib.Example], data_lib.DataReport]:
+               log) -> tuple[data_lib.Dataset, data_lib.DataReport]:
     """The examples of ``split`` (``train`` / ``eval``): ``path``, or the synthetic task written into the workdir
     (by process 0; the others wait for it)."""
     d = cfg.data
@@ -71,7 +71,7 @@ def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split
         multihost.barrier(f"data:{split}", procs)  # the others read what process 0 wrote
         path = os.path.join(out, "data.jsonl")
     return data_lib.load_dataset(path, tok, cfg.model.vision, min_pixels=d.min_pixels, max_pixels=d.max_pixels,
-                                 max_prompt_len=d.max_prompt_len, log=log)
+                                 max_prompt_len=d.max_prompt_len, cache_bytes=d.image_cache_mb << 20, log=log)
 
 
 @dataclasses.dataclass(frozen=True)

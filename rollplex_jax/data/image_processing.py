@@ -2,7 +2,8 @@
 
 What: turns PIL images (or video frames) into the ``pixel_values`` / ``grid_thw`` pair
 the Qwen2.5-VL vision tower eats, and tells the prompt builder how many image-pad
-tokens each image needs.
+tokens each image needs. ``probe_image`` reads an image's upright size from its header
+alone, so a dataset can be checked and planned at load time without decoding pixels.
 
 Why: transformers' ``Qwen2_5_VLProcessor`` and the Qwen2-VL video processor import
 torchvision, which has no usable CPU build here (see ENVIRONMENT.md). This module
@@ -27,7 +28,7 @@ import math
 import os
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from rollplex_jax.config import VisionConfig
 
@@ -105,14 +106,33 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def _check_file(path: str) -> None:
+    if not os.path.exists(path):
+        raise ImageLoadError(f"image file {path!r} does not exist; check the dataset's image paths")
+    if not os.path.isfile(path):
+        raise ImageLoadError(f"image path {path!r} is not a regular file (a directory?)")
+    if os.path.getsize(path) == 0:
+        raise ImageLoadError(f"image file {path!r} is empty (0 bytes); re-download or drop it")
+
+
+def _load_error(path: str, e: Exception) -> ImageLoadError:
+    """The ``ImageLoadError`` for an exception PIL raised while reading ``path``."""
+    if isinstance(e, UnidentifiedImageError):
+        return ImageLoadError(f"image file {path!r} is not in an image format PIL can identify "
+                              "(corrupt header or not an image)")
+    if isinstance(e, Image.DecompressionBombError):
+        return ImageLoadError(f"image file {path!r} is too large to decode safely: {e}")
+    # PIL raises OSError, SyntaxError, ValueError, EOFError, ... on bad data
+    return ImageLoadError(f"image file {path!r} could not be decoded (truncated or corrupt): {type(e).__name__}: {e}")
+
+
 def load_image(path: str | os.PathLike) -> Image.Image:
     """Reads an image file fully into memory as an upright RGB PIL image.
 
     The EXIF orientation is applied (as ``transformers.image_utils.load_image`` does)
     and modes are converted with :func:`to_rgb`. The pixels are decoded here, so a
-    truncated file fails now rather than inside a later batch. (If some code sets
-    ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES = True``, PIL itself fills truncated files
-    with gray instead of failing.)
+    truncated file fails now. (If some code sets ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES =
+    True``, PIL itself fills truncated files with gray instead of failing.)
 
     Args:
         path: Path of a PNG/JPEG/... file.
@@ -125,25 +145,42 @@ def load_image(path: str | os.PathLike) -> Image.Image:
             truncated/corrupt, or larger than PIL's decompression-bomb limit.
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise ImageLoadError(f"image file {path!r} does not exist; check the dataset's image paths")
-    if not os.path.isfile(path):
-        raise ImageLoadError(f"image path {path!r} is not a regular file (a directory?)")
-    if os.path.getsize(path) == 0:
-        raise ImageLoadError(f"image file {path!r} is empty (0 bytes); re-download or drop it")
+    _check_file(path)
     try:
         with Image.open(path) as img:
             img.load()
             upright = ImageOps.exif_transpose(img)
             return to_rgb(upright)
-    except UnidentifiedImageError:
-        raise ImageLoadError(f"image file {path!r} is not in an image format PIL can identify "
-                             "(corrupt header or not an image)") from None
-    except Image.DecompressionBombError as e:
-        raise ImageLoadError(f"image file {path!r} is too large to decode safely: {e}") from None
-    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, EOFError, ... on bad data
-        raise ImageLoadError(f"image file {path!r} could not be decoded (truncated or corrupt): "
-                             f"{type(e).__name__}: {e}") from None
+    except Exception as e:
+        raise _load_error(path, e) from None
+
+
+_TRANSPOSING = (5, 6, 7, 8)  # EXIF orientations that exif_transpose turns by 90 degrees (sides swap)
+
+
+def probe_image(path: str | os.PathLike) -> tuple[int, int]:
+    """The ``(height, width)`` :func:`load_image` will return, read from the file's header: no pixel is decoded.
+
+    Checks what can be checked without decoding: the file exists, is not empty, PIL identifies its
+    format and size (and the decompression-bomb limit), its EXIF orientation (as ``exif_transpose``
+    reads it, from the header) and ``Image.verify``: for PNG every chunk's CRC through IEND, so a truncated
+    or damaged PNG fails here; for JPEG (and most other formats) verify checks nothing more, so a truncated
+    JPEG passes and fails only when :func:`load_image` decodes it.
+
+    Raises:
+        ImageLoadError: as :func:`load_image`, for what the header and verify reveal.
+    """
+    path = os.fspath(path)
+    _check_file(path)
+    try:
+        with Image.open(path) as img:
+            width, height = img.size
+            # the base class's getexif reads the header's EXIF/XMP; PngImageFile's own would decode the pixels
+            orientation = Image.Image.getexif(img).get(ExifTags.Base.Orientation, 1)
+            img.verify()
+    except Exception as e:
+        raise _load_error(path, e) from None
+    return (width, height) if orientation in _TRANSPOSING else (height, width)
 
 
 def _normalized_frame(image: Image.Image, height: int, width: int) -> np.ndarray:
@@ -187,7 +224,7 @@ def _patchify(frames: np.ndarray, patch_size: int, merge_size: int,
     return x.reshape(t * gh * gw, c * temporal_patch_size * patch_size**2), (t, gh, gw)
 
 
-def _check_vision(vision: VisionConfig) -> int:
+def check_vision(vision: VisionConfig) -> int:
     """Returns the resize factor after checking the config describes RGB input."""
     if vision.in_channels != 3:
         raise ValueError(f"vision.in_channels={vision.in_channels} is not supported: images are RGB (3)")
@@ -210,7 +247,7 @@ def preprocess_images(images: list[Image.Image], vision: VisionConfig, min_pixel
     """
     if not images:
         raise ValueError("preprocess_images got an empty image list; pass at least one image")
-    factor = _check_vision(vision)
+    factor = check_vision(vision)
     rows, grids = [], []
     for image in images:
         height, width = smart_resize(image.height, image.width, factor, min_pixels, max_pixels)
@@ -242,7 +279,7 @@ def preprocess_video(frames: list[Image.Image], vision: VisionConfig, min_pixels
     """
     if not frames:
         raise ValueError("preprocess_video got no frames; pass at least one frame")
-    factor = _check_vision(vision)
+    factor = check_vision(vision)
     height, width = smart_resize(frames[0].height, frames[0].width, factor, min_pixels, max_pixels)
     stacked = np.stack([_normalized_frame(f, height, width) for f in frames])
     patches, grid = _patchify(stacked, vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
