@@ -9,7 +9,25 @@ never copied N times) and causally to themselves. For the same tokens,
 float summation order (tested at 1e-5 in fp32).
 
 Host-side preparation (M-RoPE index, vision layout, token-count checks) lives in
-``prepare_inputs``; the forward functions are pure and jit-able.
+``prepare_inputs``; the forward functions are pure and jit-able. How they compute (attention kernel,
+its block, rematerialisation) is ``ProgramConfig`` (``prog=``, default = the run's default).
+
+Layers are unrolled, each decoder layer and vision block checkpointed by ``prog.remat``, not scanned.
+A scan needs the weights stacked [L, ...]; our parameters are a flat dict of per-layer HF-named arrays
+(checkpoint IO, the sharding rules by logical axes and the rollout engines' zero-copy per-layer views rely
+on it), and stacking inside a program would copy every layer's weights into it. Measured (2026-12, this
+2-core CPU, ``jit(value_and_grad(full_forward))`` trace + compile, text width 256, T 1024, remat
+``layer``): 2.5 s at 2 layers, 4.2 s at 8, 17.0 s at 36 (0.46 s a layer); 36 text layers + 32 vision
+blocks (3B's depth) 28.8 s; 64 layers extrapolate to ~31 s. A scan over stacked weights stays at
+1.6-3.0 s at any depth. Accepted: each program compiles once per run (minutes at most), not per step.
+Caveat, measured: XLA's CPU pipeline removes the optimization barriers of ``jax.checkpoint`` before its
+last CSE pass, which merges (part of) the recomputation back into the forward: on CPU, per-layer remat
+of unrolled layers saves less memory than it would on a GPU, whose pipeline removes the barriers only
+after scheduling (8 layers, width 256, T 4096: temp 701 MiB without remat, 645 with ``layer`` by
+default on CPU, 230 with ``layer`` and 418 with ``dots`` under
+``XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander``, which keeps the barriers: use it to check
+remat memory on CPU). At 36 layers, T 1024, with that flag: 140 MiB (``layer``), 363 (``dots``), 713
+(``none``). The recomputation still costs time on CPU (demo model gradient: +19% FLOPs with ``layer``).
 """
 
 from __future__ import annotations
@@ -127,15 +145,8 @@ def _layer_fn(cfg: ModelConfig, prog: ProgramConfig, i: int, p, h, cos, sin, sel
 
 def _decoder(params, cfg: ModelConfig, h, cos, sin, self_valid, prefix: PrefixState | None, prog: ProgramConfig):
     """Runs all layers on h [B, N, T, D] (tokens' validity [B, N, T], attending to ``prefix``'s KV if given);
-    returns final-normed h, per-layer outputs and (k, v).
-
-    Layers are unrolled, each checkpointed by ``prog.remat``, not scanned: scanning needs the weights
-    stacked [L, ...] and our parameters are a flat dict of per-layer HF-named arrays (checkpoint IO, the
-    sharding rules and the rollout engines' zero-copy views rely on it; stacking per call would copy
-    every layer's weights into each program). Measured (2026-12, this CPU, forward + backward of the
-    decoder at width 256, T 512, remat ``layer``): compile time grows linearly, about 0.3 s per layer
-    (see the issue-17 report), i.e. ~12 s at 36 layers (3B), ~20 s at 64 (32B): acceptable next to a step.
-    """
+    returns final-normed h, per-layer outputs and (k, v). Unrolled, one checkpoint per layer (module
+    docstring: why not a scan)."""
     hidden, kvs = [], []
     for i in range(cfg.text.num_hidden_layers):
         layer = rematerialise(functools.partial(_layer_fn, cfg, prog, i), prog.remat)
