@@ -101,6 +101,7 @@ def attention(q: jax.Array, sources: list[KVSource], *, impl: str = "blockwise",
       [B, N, T, H * d] in q's dtype; 0 in rows with no visible key.
     """
     b, n, t, h, d = q.shape
+    sources = [dataclasses.replace(s, valid=s.valid.astype(bool)) for s in sources]  # e.g. int attention masks
     if impl == "cudnn":
         out = _cudnn(q, sources)
         if out is not None:
@@ -234,8 +235,7 @@ def blockwise_attention(q: jax.Array, sources: list[KVSource], block: int) -> ja
     qg = _pad_to(_group(q, sources[0].k.shape[-2]), 2, bq)
     ks = tuple(_pad_to(s.k, s.k.ndim - 3, bk) for s, bk in zip(sources, bks, strict=True))
     vs = tuple(_pad_to(s.v, s.v.ndim - 3, bk) for s, bk in zip(sources, bks, strict=True))
-    valids = tuple(_pad_to(s.valid.astype(bool), s.valid.ndim - 1, bk, False) for s, bk in zip(sources, bks,
-                                                                                              strict=True))
+    valids = tuple(_pad_to(s.valid, s.valid.ndim - 1, bk, False) for s, bk in zip(sources, bks, strict=True))
     out = _flash(spec, qg, ks, vs, valids)
     return out[:, :, :t].reshape(b, n, t, h * d)
 

@@ -142,7 +142,7 @@ def test_gradient_through_the_prefix_kv_into_its_inputs():
 
 
 VISION_GRIDS = {
-    "windows": np.array([[1, 8, 8], [1, 4, 6]]),  # 2x2-unit windows (4 of 16 patches), partial ones (4 x 6)
+    "windows": np.array([[1, 8, 8], [1, 4, 6]]),  # windows of 2x2 merge units (16 patches); partial ones in 4 x 6
     "video_frames": np.array([[3, 8, 12], [1, 6, 10]]),  # 3 frames (full attention within each frame)
 }
 
