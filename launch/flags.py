@@ -164,7 +164,7 @@ def _usage_error(e: ConfigError, f: flags.FlagValues) -> app.UsageError:
 
 _SECTIONS = {"data": C.DataConfig, "rollout": C.RolloutConfig, "rl": C.RlConfig, "optim": C.OptimConfig,
              "checkpoint": C.CheckpointConfig, "memory": C.MemoryConfig, "mesh": C.MeshConfig,
-             "run": C.RunConfig}
+             "run": C.RunConfig, "programs": C.ProgramConfig}
 # Flags whose name is not the field's (kept short, or the names scripts rely on: ARCHITECTURE.md).
 _RENAMES = {("checkpoint", "every"): "checkpoint_every", ("checkpoint", "keep"): "checkpoint_keep"}
 _CHOICES = {
@@ -173,6 +173,7 @@ _CHOICES = {
     ("rl", "loss_agg"): C.LOSS_AGGS, ("rl", "kl_mode"): C.KL_MODES, ("rl", "kl_estimator"): C.KL_ESTIMATORS,
     ("rl", "reward_failure"): C.REWARD_FAILURES, ("optim", "lr_schedule"): C.LR_SCHEDULES,
     ("data", "synthetic_task"): C.SYNTHETIC_TASKS, ("memory", "optimizer_policy"): C.OPTIMIZER_POLICIES,
+    ("programs", "attention"): C.ATTENTIONS, ("programs", "remat"): C.REMATS,
 }
 _HELP = {
     "dataset": "Training prompts: a JSONL file of {\"images\": [paths relative to the file], \"prompt\", \"answer\"}. "
@@ -245,6 +246,14 @@ _HELP = {
     "train_fsdp": "Training mesh: FSDP degree (actor and reference).",
     "train_tp": "Training mesh: tensor-parallel degree (actor and reference).",
     "rollout_tp": "Rollout engine tensor-parallel degree.",
+    "attention": "Attention kernel of every JAX program: blockwise (online softmax over --attention_block blocks, "
+                 "never a [T, S] score matrix), dense (all scores at once: the oracle), or cudnn (cuDNN flash "
+                 "attention on a GPU where it expresses the mask exactly, i.e. the vision tower in bf16; blockwise "
+                 "everywhere else and on CPU, with a log line).",
+    "attention_block": "Query/key block length of the blockwise kernel; a call whose queries and keys all fit in one "
+                       "block uses the dense path (the same single block).",
+    "remat": "Rematerialisation per decoder layer and vision block: layer (keep only each layer's input for the "
+             "backward), dots (also the weight matmuls' outputs), none (keep every intermediate).",
 }
 
 

@@ -35,6 +35,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 REWARD_FAILURES = ("zero", "raise")
 LR_SCHEDULES = ("constant", "cosine")
 SYNTHETIC_TASKS = ("colour", "quadrant", "count")
+ATTENTIONS = ("blockwise", "dense", "cudnn")
+REMATS = ("layer", "none", "dots")
 
 
 def _choice(section: str, name: str, value, allowed: tuple) -> None:
@@ -278,6 +280,28 @@ class RunConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ProgramConfig:
+    """How the JAX programs compute (not what): attention kernel, its block size, rematerialisation.
+
+    ``attention``: ``blockwise`` (online-softmax blocks, never a [T, S] score matrix; a call whose
+    queries and keys all fit in one block runs the dense path, which computes that same block),
+    ``dense`` (the oracle: fp32 scores of every key at once) or ``cudnn`` (cuDNN flash attention on a
+    GPU for the cases it expresses exactly, blockwise otherwise; see ``models/attention.py``).
+    ``remat``: per decoder layer and vision block, ``layer`` keeps only each layer's input for the
+    backward, ``dots`` also its weight matmuls' outputs, ``none`` every intermediate.
+    """
+
+    attention: str = "blockwise"
+    attention_block: int = 512  # query/key block length of the blockwise kernel
+    remat: str = "layer"
+
+    def __post_init__(self):
+        _choice("programs", "attention", self.attention, ATTENTIONS)
+        _require(self.attention_block >= 1, "programs.attention_block", self.attention_block, "must be >= 1")
+        _choice("programs", "remat", self.remat, REMATS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole run. Built once (``launch.flags.config_from_flags``), then passed explicitly."""
 
@@ -290,6 +314,7 @@ class Config:
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    programs: ProgramConfig = dataclasses.field(default_factory=ProgramConfig)
 
     def __post_init__(self):
         n_rows = self.rl.batch_prompts * self.rollout.group_size

@@ -105,6 +105,7 @@ def test_dense_counts_match_xla_cost_analysis():
     import jax
     import numpy as np
 
+    from rollplex_jax.config import ProgramConfig
     from rollplex_jax.models.qwen2_5_vl.model import full_forward, prepare_inputs
     from rollplex_jax.models.qwen2_5_vl.params import init_params
 
@@ -113,11 +114,14 @@ def test_dense_counts_match_xla_cost_analysis():
     inputs = prepare_inputs(mcfg, ids, np.ones_like(ids), np.concatenate(per_row), grids)
     params = init_params(mcfg, jax.random.key(0))
 
+    pm = planner.CURRENT_PROGRAMS
+    # The programs that model describes: dense attention, no remat (not the model functions' defaults).
+    prog = ProgramConfig(attention=pm.attention, remat=pm.remat)
+
     def loss(p, i):
-        return full_forward(p, mcfg, i).sum()
+        return full_forward(p, mcfg, i, prog=prog).sum()
 
     rows, t, n = ids.shape[0], ids.shape[1], 20 * 20
-    pm = planner.CURRENT_PROGRAMS
     fwd = simulator.text_forward(cfg, rows, t, 0, t, pm) + simulator.vision_forward(cfg, rows, n, pm)
     both = fwd + simulator.backward_of(fwd, pm, cfg)
     for fn, c in ((jax.jit(loss), fwd), (jax.jit(jax.grad(loss)), both)):

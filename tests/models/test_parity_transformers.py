@@ -3,19 +3,22 @@
 Tolerance: logits and every decoder layer's output max abs diff <= 1e-4; vision tower
 output <= 1e-4. Several configs: windows > 1, several images of different sizes per
 prompt, a video (t > 1), GQA ratios 2 and 4, tied embeddings, padded batches.
+Each with the default programs (at these lengths every attention fits one 512 block, so it runs the
+dense path) and with 8-long blocks (the blockwise kernel over several blocks, lengths not divided).
 """
 
 import numpy as np
 import pytest
 import torch
 
-from rollplex_jax.config import tiny_model_config
+from rollplex_jax.config import ProgramConfig, tiny_model_config
 from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
 from tests.hf_reference import hf_forward, hf_model, mm_inputs, params_of
 
 TOL = 1e-4
+PROGS = {"default": ProgramConfig(), "blocks8": ProgramConfig(attention_block=8)}
 
 CONFIGS = {
     "gqa2_windows": dict(),
@@ -44,14 +47,15 @@ def _tiny(name):
     return cfg
 
 
+@pytest.mark.parametrize("prog", list(PROGS))
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_logits_and_layers_match_transformers(name):
+def test_logits_and_layers_match_transformers(name, prog):
     cfg = _tiny(name)
     hf = hf_model(cfg, seed=1)
     params = params_of(hf, cfg)
     inp = mm_inputs(cfg, ROWS, np.random.default_rng(0))
     ref = hf_forward(hf, cfg, inp, output_hidden_states=True)
-    logits, hidden = M.full_forward(params, cfg, M.prepare_inputs(cfg, **inp), return_hidden=True)
+    logits, hidden = M.full_forward(params, cfg, M.prepare_inputs(cfg, **inp), return_hidden=True, prog=PROGS[prog])
     real = inp["attention_mask"].astype(bool)
     assert np.abs(np.asarray(logits)[real] - ref.logits.numpy()[real]).max() <= TOL
     # transformers' hidden_states: embeddings, then each layer's output, the last one after the final norm.
@@ -63,8 +67,9 @@ def test_logits_and_layers_match_transformers(name):
     assert np.abs(np.asarray(normed)[real] - ref.hidden_states[n].numpy()[real]).max() <= TOL
 
 
+@pytest.mark.parametrize("prog", list(PROGS))
 @pytest.mark.parametrize("name", ["gqa2_windows", "deep_vision_win112"])
-def test_vision_tower_matches_transformers(name):
+def test_vision_tower_matches_transformers(name, prog):
     cfg = _tiny(name)
     hf = hf_model(cfg, seed=2)
     params = params_of(hf, cfg)
@@ -74,7 +79,7 @@ def test_vision_tower_matches_transformers(name):
     with torch.no_grad():
         ref = hf.model.visual(torch.from_numpy(pix), grid_thw=torch.from_numpy(grids)).pooler_output.numpy()
     layout = rope.vision_layout(grids, cfg.vision).arrays()
-    ours = np.asarray(vision_forward(params, cfg.vision, pix, layout))
+    ours = np.asarray(vision_forward(params, cfg.vision, pix, layout, prog=PROGS[prog]))
     assert ours.shape == ref.shape
     assert np.abs(ours - ref).max() <= TOL
 

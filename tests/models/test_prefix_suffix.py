@@ -3,19 +3,23 @@
 The prefix's boundary KV is computed once per prompt and shared by its N responses
 (the suffix reads it without an N axis); responses have different lengths (right padding),
 prompts have different lengths (left padding) and carry images and a video.
+With the default programs (one block: dense) and with 4-long blocks (the blockwise kernel).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollplex_jax.config import tiny_model_config
+from rollplex_jax.config import ProgramConfig, tiny_model_config
 from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.models.qwen2_5_vl.params import init_params
 from tests.hf_reference import mm_inputs
 
 TOL = 1e-5
+PROGS = {"default": ProgramConfig(), "blocks4": ProgramConfig(attention_block=4)}
 
 PROMPTS = [
     [5, 6, ("image", (1, 8, 8)), 7, ("image", (1, 4, 6)), 8, 9],
@@ -31,8 +35,9 @@ def _responses(rng, b, n, t, vocab):
     return np.where(mask > 0, ids, 0), mask
 
 
+@pytest.mark.parametrize("prog", list(PROGS))
 @pytest.mark.parametrize("tie", [False, True])
-def test_suffix_over_shared_prefix_equals_full_forward(tie):
+def test_suffix_over_shared_prefix_equals_full_forward(tie, prog):
     import dataclasses
     cfg = dataclasses.replace(tiny_model_config(), tie_word_embeddings=tie)
     params = init_params(cfg, jax.random.key(0), std=0.1)
@@ -42,10 +47,12 @@ def test_suffix_over_shared_prefix_equals_full_forward(tie):
     n, tr = 3, 5
     resp, resp_mask = _responses(rng, b, n, tr, cfg.text.vocab_size)
 
-    state, last_logits = jax.jit(M.prefix_forward, static_argnums=1)(params, cfg, M.prepare_inputs(cfg, **prompt))
+    prog = PROGS[prog]
+    state, last_logits = jax.jit(functools.partial(M.prefix_forward, prog=prog), static_argnums=1)(
+        params, cfg, M.prepare_inputs(cfg, **prompt))
     assert state.k.shape == (cfg.text.num_hidden_layers, b, tp, cfg.text.num_key_value_heads, cfg.text.head_dim)
-    suffix = jax.jit(M.suffix_forward, static_argnums=1)(params, cfg, state, jnp.asarray(resp),
-                                                          jnp.asarray(resp_mask))
+    suffix = jax.jit(functools.partial(M.suffix_forward, prog=prog), static_argnums=1)(
+        params, cfg, state, jnp.asarray(resp), jnp.asarray(resp_mask))
     assert suffix.shape == (b, n, tr, cfg.text.vocab_size)
 
     # Full rows: each (prompt, response) pair as one sequence [prompt (left padded), response (right padded)].
@@ -61,7 +68,8 @@ def test_suffix_over_shared_prefix_equals_full_forward(tie):
         image_grid_thw=np.concatenate([prompt["image_grid_thw"]] * n),
         video_grid_thw=np.concatenate([prompt["video_grid_thw"]] * n),
     )
-    full = np.asarray(M.full_forward(params, cfg, M.prepare_inputs(cfg, **full_inp))).reshape(b, n, tp + tr, -1)
+    full = np.asarray(M.full_forward(params, cfg, M.prepare_inputs(cfg, **full_inp), prog=prog))
+    full = full.reshape(b, n, tp + tr, -1)
 
     np.testing.assert_allclose(np.asarray(last_logits), full[:, 0, tp - 1], atol=TOL, rtol=0)
     real = resp_mask.astype(bool)

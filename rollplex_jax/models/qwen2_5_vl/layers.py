@@ -2,6 +2,8 @@
 
 They follow transformers' Qwen2.5-VL numerics: RMSNorm computed in fp32 and cast
 back before the weight multiply; linear weights in torch's ``[out, in]`` layout.
+``rematerialise`` wraps one decoder layer or vision block in ``jax.checkpoint`` by policy, and
+``layer_params`` hands it only that layer's entries of the flat parameter dict.
 """
 
 from __future__ import annotations
@@ -32,6 +34,31 @@ def rotate_half(x: jax.Array) -> jax.Array:
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotary embedding on x [..., T, H, hd] with tables [..., T, hd] (broadcast over heads)."""
     return x * cos[..., None, :] + rotate_half(x) * sin[..., None, :]
+
+
+# ProgramConfig.remat -> what a layer keeps for its backward ("none": everything, no checkpoint).
+_REMAT_POLICIES = {
+    "layer": jax.checkpoint_policies.nothing_saveable,  # only the layer's inputs; the rest is recomputed
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # also the weight matmuls' outputs
+}
+
+
+def rematerialise(fn, remat: str):
+    """``fn`` (one layer or block) checkpointed by policy ``remat`` (``ProgramConfig.remat``).
+
+    The layers are unrolled (see model.py for the measured compile times), so ``prevent_cse`` stays on:
+    without it XLA may merge the backward's recomputation with the forward and keep everything alive."""
+    if remat == "none":
+        return fn
+    if remat not in _REMAT_POLICIES:
+        raise ValueError(f"remat {remat!r}: use layer, dots or none")
+    return jax.checkpoint(fn, policy=_REMAT_POLICIES[remat])
+
+
+def layer_params(params: dict, prefix: str) -> dict:
+    """The entries of ``params`` under ``prefix`` (e.g. ``model.layers.3.``): what one checkpointed layer
+    takes as input, so its residuals are views of those arrays, nothing else."""
+    return {k: v for k, v in params.items() if k.startswith(prefix)}
 
 
 def constrain_rows(x: jax.Array) -> jax.Array:

@@ -9,27 +9,41 @@ never copied N times) and causally to themselves. For the same tokens,
 float summation order (tested at 1e-5 in fp32).
 
 Host-side preparation (M-RoPE index, vision layout, token-count checks) lives in
-``prepare_inputs``; the forward functions are pure and jit-able.
+``prepare_inputs``; the forward functions are pure and jit-able. How they compute (attention kernel,
+its block, rematerialisation) is ``ProgramConfig`` (``prog=``, default = the run's default).
+
+Layers are unrolled, each decoder layer and vision block checkpointed by ``prog.remat``, not scanned.
+A scan needs the weights stacked [L, ...]; our parameters are a flat dict of per-layer HF-named arrays
+(checkpoint IO, the sharding rules by logical axes and the rollout engines' zero-copy per-layer views rely
+on it), and stacking inside a program would copy every layer's weights into it. Measured (2026-12, this
+2-core CPU, ``jit(value_and_grad(full_forward))`` trace + compile, text width 256, T 1024, remat
+``layer``): 2.5 s at 2 layers, 4.2 s at 8, 17.0 s at 36 (0.46 s a layer); 36 text layers + 32 vision
+blocks (3B's depth) 28.8 s; 64 layers extrapolate to ~31 s. A scan over stacked weights stays at
+1.6-3.0 s at any depth. Accepted: each program compiles once per run (minutes at most), not per step.
+Caveat, measured: XLA's CPU pipeline removes the optimization barriers of ``jax.checkpoint`` before its
+last CSE pass, which merges (part of) the recomputation back into the forward: on CPU, per-layer remat
+of unrolled layers saves less memory than it would on a GPU, whose pipeline removes the barriers only
+after scheduling (8 layers, width 256, T 4096: temp 701 MiB without remat, 645 with ``layer`` by
+default on CPU, 230 with ``layer`` and 418 with ``dots`` under
+``XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander``, which keeps the barriers: use it to check
+remat memory on CPU). At 36 layers, T 1024, with that flag: 140 MiB (``layer``), 363 (``dots``), 713
+(``none``). The recomputation still costs time on CPU (demo model gradient: +19% FLOPs with ``layer``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rollplex_jax.config import ModelConfig
+from rollplex_jax.config import ModelConfig, ProgramConfig
+from rollplex_jax.models.attention import KVSource
 from rollplex_jax.models.qwen2_5_vl import rope
-from rollplex_jax.models.qwen2_5_vl.text import (
-    KVSource,
-    causal_mask,
-    decoder_layer,
-    embed,
-    final_norm,
-    lm_logits,
-)
+from rollplex_jax.models.qwen2_5_vl.layers import layer_params, rematerialise
+from rollplex_jax.models.qwen2_5_vl.text import decoder_layer, embed, final_norm, lm_logits
 from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
 
 
@@ -114,45 +128,58 @@ def prepare_inputs(
     )
 
 
-def encode_vision(params: dict, cfg: ModelConfig, inputs: ModelInputs) -> jax.Array | None:
+def encode_vision(params: dict, cfg: ModelConfig, inputs: ModelInputs, *,
+                  prog: ProgramConfig = ProgramConfig()) -> jax.Array | None:
+    """The vision tower over the batch's images/videos: [n_vision_tokens, D], or None without any."""
     if inputs.pixel_values is None:
         return None
-    return vision_forward(params, cfg.vision, inputs.pixel_values, inputs.layout)
+    return vision_forward(params, cfg.vision, inputs.pixel_values, inputs.layout, prog=prog)
 
 
-def _decoder(params, cfg: ModelConfig, h, cos, sin, extra_per_layer, self_mask):
-    """Runs all layers on h [B, N, T, D]; returns final-normed h, per-layer outputs and (k, v)."""
+def _layer_fn(cfg: ModelConfig, prog: ProgramConfig, i: int, p, h, cos, sin, self_valid, prefix):
+    """Layer i, with the prefix's boundary KV (whole [L, ...] arrays: sliced here, inside the checkpoint,
+    so a remat'd layer keeps no slice of its own as a residual)."""
+    extra = [] if prefix is None else [KVSource(prefix.k[i], prefix.v[i], prefix.mask)]
+    return decoder_layer(p, i, h, cos, sin, extra, self_valid, cfg.text, prog=prog)
+
+
+def _decoder(params, cfg: ModelConfig, h, cos, sin, self_valid, prefix: PrefixState | None, prog: ProgramConfig):
+    """Runs all layers on h [B, N, T, D] (tokens' validity [B, N, T], attending to ``prefix``'s KV if given);
+    returns final-normed h, per-layer outputs and (k, v). Unrolled, one checkpoint per layer (module
+    docstring: why not a scan)."""
     hidden, kvs = [], []
     for i in range(cfg.text.num_hidden_layers):
-        h, kv = decoder_layer(params, i, h, cos, sin, extra_per_layer(i), self_mask, cfg.text)
+        layer = rematerialise(functools.partial(_layer_fn, cfg, prog, i), prog.remat)
+        h, kv = layer(layer_params(params, f"model.layers.{i}."), h, cos, sin, self_valid, prefix)
         hidden.append(h)
         kvs.append(kv)
     return final_norm(params, h, cfg.text), hidden, kvs
 
 
-def _rows_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds):
+def _rows_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds, prog: ProgramConfig):
     """Causal decoder over whole rows (vision tokens scattered in): final-normed h [B, T, D],
     per-layer outputs and per-layer (k, v), each with a singleton response axis dropped."""
     if vision_embeds is None:
-        vision_embeds = encode_vision(params, cfg, inputs)
+        vision_embeds = encode_vision(params, cfg, inputs, prog=prog)
     h = embed(params, cfg, inputs.input_ids, vision_embeds, inputs.token_types)[:, None]
     cos, sin = rope.mrope_cos_sin(inputs.positions, cfg.text, h.dtype)
-    mask = causal_mask(inputs.attention_mask[:, None])
-    h, hidden, kvs = _decoder(params, cfg, h, cos[:, None], sin[:, None], lambda i: [], mask)
+    valid = inputs.attention_mask[:, None].astype(bool)  # [B, 1, T]; left padding, so not a prefix of the row
+    h, hidden, kvs = _decoder(params, cfg, h, cos[:, None], sin[:, None], valid, None, prog)
     return h[:, 0], [x[:, 0] for x in hidden], [(k[:, 0], v[:, 0]) for k, v in kvs]
 
 
 def full_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds=None,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, *, prog: ProgramConfig = ProgramConfig()):
     """Plain causal forward over whole rows. Returns fp32 logits [B, T, V] (and per-layer hidden)."""
-    h, hidden, _ = _rows_forward(params, cfg, inputs, vision_embeds)
+    h, hidden, _ = _rows_forward(params, cfg, inputs, vision_embeds, prog)
     logits = lm_logits(params, h, cfg)
     return (logits, hidden) if return_hidden else logits
 
 
-def prefix_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds=None):
+def prefix_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds=None, *,
+                   prog: ProgramConfig = ProgramConfig()):
     """Prompt rows -> (PrefixState, fp32 logits [B, V] at each row's last real token)."""
-    h, _, kvs = _rows_forward(params, cfg, inputs, vision_embeds)
+    h, _, kvs = _rows_forward(params, cfg, inputs, vision_embeds, prog)
     t = inputs.input_ids.shape[1]
     last = t - 1 - jnp.argmax(inputs.attention_mask[:, ::-1], axis=1)
     last_logits = lm_logits(params, h[jnp.arange(h.shape[0]), last], cfg)
@@ -166,23 +193,18 @@ def prefix_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_e
 
 
 def suffix_forward(params: dict, cfg: ModelConfig, state: PrefixState, response_ids: jax.Array,
-                   response_mask: jax.Array) -> jax.Array:
+                   response_mask: jax.Array, *, prog: ProgramConfig = ProgramConfig()) -> jax.Array:
     """Responses [B, N, Tr] (right-padded) over a shared prefix -> fp32 logits [B, N, Tr, V].
 
     Logit t predicts response token t+1; the first response token is predicted by the
-    prefix's ``last_logits``.
+    prefix's ``last_logits``. Every layer attends to the prefix's KV [B, Tp, K, d] (no N axis,
+    masked by ``state.mask`` [B, Tp]) and causally to the responses' own keys, in one softmax.
     """
     b, n, t = response_ids.shape
     h = embed(params, cfg, response_ids, None)
     pos = rope.text_positions(state.next_position, t)[:, :, None, :]  # [3, B, 1, Tr]
     cos, sin = rope.mrope_cos_sin(pos, cfg.text, h.dtype)
-    self_mask = causal_mask(response_mask.astype(bool))
-    prefix_mask = state.mask[:, None, None, :]  # [B, 1, 1, Tp]
-
-    def extra(i):
-        return [KVSource(state.k[i], state.v[i], prefix_mask)]
-
-    h, _, _ = _decoder(params, cfg, h, cos, sin, extra, self_mask)
+    h, _, _ = _decoder(params, cfg, h, cos, sin, response_mask.astype(bool), state, prog)
     return lm_logits(params, h, cfg)
 
 

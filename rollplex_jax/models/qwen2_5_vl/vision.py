@@ -7,17 +7,31 @@ merger into the language model's width, then the reordering undone.
 
 Attention runs per segment (a window, or a whole frame at full-attention blocks): the
 patches of each segment are gathered into a [segments, longest, ...] block (shorter ones
-padded and masked), attended, and scattered back, so the cost is the sum of squared segment
-sizes, not the square of all patches of the call (which grows with the square of the batch).
+padded at the end and masked), attended, and scattered back, so the cost is the sum of squared
+segment sizes, not the square of all patches of the call (which grows with the square of the batch).
+The segments are the batch axis of one ``models/attention.py`` call: windows (<= 64 patches) fit one
+block and run dense; a frame of thousands of patches runs blockwise, never holding [L, L] scores;
+both are right-padded, which cuDNN can express (``--attention=cudnn``, bf16 on a GPU).
+Each block is checkpointed by ``ProgramConfig.remat`` (layers.rematerialise).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from rollplex_jax.config import VisionConfig
-from rollplex_jax.models.qwen2_5_vl.layers import constrain_rows, linear, rms_norm, rotate_half
+from rollplex_jax.config import ProgramConfig, VisionConfig
+from rollplex_jax.models.attention import KVSource, attention
+from rollplex_jax.models.qwen2_5_vl.layers import (
+    constrain_rows,
+    layer_params,
+    linear,
+    rematerialise,
+    rms_norm,
+    rotate_half,
+)
 from rollplex_jax.models.qwen2_5_vl.rope import vision_cos_sin
 
 _ACTS = {
@@ -28,9 +42,9 @@ _ACTS = {
 }
 
 
-def _attention(p: dict, prefix: str, x, cos, sin, gather, cfg: VisionConfig):
+def _attention(p: dict, prefix: str, x, cos, sin, gather, cfg: VisionConfig, prog: ProgramConfig):
     """Bidirectional attention of x [N, D] within each segment: ``gather`` [S, L] holds each segment's
-    patch indices, padded with values >= N (masked as keys, dropped as outputs)."""
+    patch indices, padded at the end with values >= N (masked as keys, dropped as outputs)."""
     n = x.shape[0]
     qkv = linear(x, p[prefix + "qkv.weight"], p[prefix + "qkv.bias"])
     q, k, v = jnp.moveaxis(qkv.reshape(n, 3, cfg.num_heads, cfg.head_dim), 1, 0)
@@ -40,18 +54,17 @@ def _attention(p: dict, prefix: str, x, cos, sin, gather, cfg: VisionConfig):
     k = (kf * c + rotate_half(kf) * s).astype(x.dtype)
     valid = gather < n
     idx = jnp.minimum(gather, n - 1)
-    scores = jnp.einsum("sqhd,skhd->shqk", q[idx], k[idx]) * (cfg.head_dim**-0.5)
-    scores = jnp.where(valid[:, None, None, :], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("shqk,skhd->sqhd", probs, v[idx]).reshape(*gather.shape, -1)
+    # Segments are the batch axis: q [S, 1, L, h, d] over keys [S, L, h, d] of the same segment.
+    src = KVSource(k[idx], v[idx], valid, right_padded=True)
+    out = attention(q[idx][:, None], [src], impl=prog.attention, block=prog.attention_block)[:, 0]
     out = jnp.zeros((n, out.shape[-1]), x.dtype).at[jnp.where(valid, gather, n)].set(out, mode="drop")
     return linear(out, p[prefix + "proj.weight"], p[prefix + "proj.bias"])
 
 
-def _block(p: dict, i: int, x, cos, sin, gather, cfg: VisionConfig):
+def _block(cfg: VisionConfig, prog: ProgramConfig, i: int, p: dict, x, cos, sin, gather):
     pre = f"visual.blocks.{i}."
     x = constrain_rows(x)
-    x = x + _attention(p, pre + "attn.", rms_norm(x, p[pre + "norm1.weight"], 1e-6), cos, sin, gather, cfg)
+    x = x + _attention(p, pre + "attn.", rms_norm(x, p[pre + "norm1.weight"], 1e-6), cos, sin, gather, cfg, prog)
     h = rms_norm(x, p[pre + "norm2.weight"], 1e-6)
     act = _ACTS[cfg.hidden_act]
     gate = act(linear(h, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.gate_proj.bias"]))
@@ -59,7 +72,8 @@ def _block(p: dict, i: int, x, cos, sin, gather, cfg: VisionConfig):
     return x + linear(gate * up, p[pre + "mlp.down_proj.weight"], p[pre + "mlp.down_proj.bias"])
 
 
-def vision_forward(params: dict, cfg: VisionConfig, pixel_values, layout: dict) -> jax.Array:
+def vision_forward(params: dict, cfg: VisionConfig, pixel_values, layout: dict, *,
+                   prog: ProgramConfig = ProgramConfig()) -> jax.Array:
     """Encodes concatenated images/videos into LLM-width tokens.
 
     Args:
@@ -67,6 +81,7 @@ def vision_forward(params: dict, cfg: VisionConfig, pixel_values, layout: dict) 
       cfg: vision config.
       pixel_values: [N, C*T*P*P] flattened patches of all items, in grid order.
       layout: ``VisionLayout.arrays()`` for the same grids (jnp or np int arrays).
+      prog: attention kernel, block and remat policy (``ProgramConfig``).
 
     Returns:
       [N / merge**2, out_hidden_size] merged tokens in the original (grid) order.
@@ -79,7 +94,9 @@ def vision_forward(params: dict, cfg: VisionConfig, pixel_values, layout: dict) 
     cos, sin = vision_cos_sin(jnp.asarray(layout["rot_pos"]), cfg)
     full, win = _patch_gather(layout["frame_gather"], unit), _patch_gather(layout["window_gather"], unit)
     for i in range(cfg.depth):
-        x = _block(params, i, x, cos, sin, full if i in cfg.fullatt_block_indexes else win, cfg)
+        block = rematerialise(functools.partial(_block, cfg, prog, i), prog.remat)
+        x = block(layer_params(params, f"visual.blocks.{i}."), x, cos, sin,
+                  full if i in cfg.fullatt_block_indexes else win)
     return merger(params, cfg, x)[layout["reverse_index"]]
 
 
