@@ -42,9 +42,10 @@ _RESPONSE = flags.DEFINE_integer("plan_response_tokens", 0, "Answer tokens per r
                                  lower_bound=0)
 _FRAMES = flags.DEFINE_integer("plan_video_frames", 0, "Plan a video of this many frames per prompt, each at "
                                "--max_pixels (0 = one image).", lower_bound=0)
-_ATTENTION = flags.DEFINE_enum("plan_attention", "flash", ["flash", "dense"],
-                               "Attention kernel the programs use: flash (memory-efficient, what a GPU run at "
-                               "scale needs) or dense (today's JAX programs: [heads, Tq, Tk] fp32 scores).")
+_ATTENTION = flags.DEFINE_enum("plan_attention", "", ["", "flash", "dense"],
+                               "Plan another attention kernel than the run's (--attention): flash (memory-efficient: "
+                               "the blockwise and cuDNN kernels) or dense ([heads, Tq, Tk] fp32 scores). Empty = the "
+                               "programs the flags build.")
 _SIMULATE = flags.DEFINE_bool("simulate", False, "Predict each phase's time and the step time of serial, rollplex "
                                "(+ overlap_only, sharing_only) and disaggregated on --sim_hardware instead of memory "
                                "(rollplex_jax/simulator/); writes plan_timeline.png.")
@@ -58,13 +59,22 @@ _SPLIT = flags.DEFINE_float("sim_disagg_split", 0.5, "Fraction of the devices in
 _PLOT = flags.DEFINE_string("plot_out", "", "Where to write the simulated timeline "
                             "(default <workdir>/plan_timeline.png).")
 _RECAL = flags.DEFINE_bool("sim_recalibrate", False, "Re-run the CPU calibration probe even if cached.")
-_REMAT = flags.DEFINE_enum("plan_remat", "layer", ["layer", "none"],
-                           "Activation checkpointing: layer (only each layer's input is saved for the backward) "
-                           "or none (today's JAX programs: every residual is saved).")
+_REMAT = flags.DEFINE_enum("plan_remat", "", ["", "layer", "none", "dots"],
+                           "Plan another activation checkpointing than the run's (--remat): layer (only each layer's "
+                           "input is saved for the backward), dots, or none (every residual is saved). Empty = the "
+                           "programs the flags build.")
 _COMPILE = flags.DEFINE_bool("compile", False, "Also AOT-compile the run's real programs for these shapes on the "
                              "backend present (nothing is allocated; with fake CPU devices for a mesh larger than "
                              "the visible devices) and print XLA's bytes per program and phase beside the plan "
                              "(rollplex_jax/aot.py).")
+
+
+def _programs(cfg):
+    """The program model: the run's (--attention, --remat), or --plan_attention / --plan_remat where given."""
+    from rollplex_jax import planner
+
+    pm = planner.ProgramModel.of(cfg.programs)
+    return planner.ProgramModel(_ATTENTION.value or pm.attention, _REMAT.value or pm.remat)
 
 
 def _lengths(cfg):
@@ -135,7 +145,7 @@ def main(argv):
         return simulate_main(cfg)
     try:
         lengths = _lengths(cfg)
-        programs = planner.ProgramModel(attention=_ATTENTION.value, remat=_REMAT.value)
+        programs = _programs(cfg)
         p = planner.plan(cfg, lengths, _DEVICES.value or None, programs=programs)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
@@ -211,13 +221,13 @@ def _fake_devices(n: int) -> None:
 def simulate_main(cfg):
     import os
 
-    from rollplex_jax import hardware, planner, simulator
+    from rollplex_jax import hardware, simulator
 
     try:
         lengths = _lengths(cfg)
         hw = hardware.preset(_HW.value, workdir=cfg.run.workdir, torch_threads=cfg.rollout.torch_threads,
                              recalibrate=_RECAL.value)
-        programs = None if hw.default_programs == "dense" else planner.ProgramModel(_ATTENTION.value, _REMAT.value)
+        programs = None if hw.default_programs == "dense" else _programs(cfg)
         kw = dict(response_mean=_RESP_MEAN.value or None, programs=programs)
         sim = simulator.simulate(cfg, hw, lengths, _DEVICES.value or None, disagg_split=_SPLIT.value, **kw)
     except ValueError as e:

@@ -242,7 +242,7 @@ def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int 
     A = Abstract(cfg)
     offload = policy == "offload"
     progs = make_programs(cfg.model, cfg.rl, cfg.optim, max(cfg.run.steps, 1), offload_optimizer=offload,
-                          optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1)
+                          optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1, prog=cfg.programs)
     with jax.set_mesh(A.mesh) if A.mesh is not None else contextlib.nullcontext():
         opt = optimizer_state(progs.optimizer, A.params, A)
         base = {"compute_weights": device_bytes(A.params),
@@ -285,7 +285,7 @@ def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int
     from rollplex_jax.programs.split import make_split_programs
     from rollplex_jax.rollplex_ops import answer_blocks
 
-    sp = make_split_programs(cfg.model, cfg.rl)
+    sp = make_split_programs(cfg.model, cfg.rl, cfg.programs)
     Tp, Tv, Tr = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens
     B, G = cfg.rl.batch_prompts, cfg.rollout.group_size
     n = G if cfg.run.prefix_sharing else 1

@@ -25,8 +25,8 @@ def data_lengths(cfg: Config, examples: Dataset) -> planner.Lengths:
 
 
 def plan_run(cfg: Config, lengths: planner.Lengths, policy: str) -> planner.Plan:
-    """The planner's figures for this run: today's programs, per device of the training mesh."""
-    return planner.plan(cfg, lengths, cfg.mesh.train_devices, programs=planner.CURRENT_PROGRAMS,
+    """The planner's figures for this run: its programs (``--attention``, ``--remat``), per device of the mesh."""
+    return planner.plan(cfg, lengths, cfg.mesh.train_devices, programs=planner.ProgramModel.of(cfg.programs),
                         optimizer_policy=policy)
 
 
@@ -43,13 +43,13 @@ def optimizer_policy(cfg: Config, lengths: planner.Lengths, log) -> str:
     try:
         if mem.optimizer_policy == "auto":
             policy = planner.choose_optimizer_policy(cfg, lengths, devices, mem.budget_bytes,
-                                                     programs=planner.CURRENT_PROGRAMS)
+                                                     programs=planner.ProgramModel.of(cfg.programs))
         else:
             policy = mem.optimizer_policy
             need = plan_run(cfg, lengths, policy).peak_bytes("rollplex")
             if need > mem.budget_bytes:
                 planner.choose_optimizer_policy(cfg, lengths, devices, mem.budget_bytes,
-                                                programs=planner.CURRENT_PROGRAMS)
+                                                programs=planner.ProgramModel.of(cfg.programs))
                 raise ConfigError(f"--hbm_budget={mem.hbm_budget} is too small with --optimizer_policy={policy} "
                                   f"(planned peak {planner.human_bytes(need, round_up=True)} per device); use "
                                   "--optimizer_policy=auto to let the run offload")

@@ -89,7 +89,8 @@ class Runner:
         self.optimizer_policy = run_memory.optimizer_policy(cfg, self.lengths, self.log)
         offload = self.optimizer_policy == "offload"
         self.programs = make_programs(cfg.model, cfg.rl, cfg.optim, cfg.run.steps, offload_optimizer=offload,
-                                      optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1)
+                                      optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1,
+                                      prog=cfg.programs)
         with self.mesh_scope():
             opt_state = self.programs.optimizer.init(placed.params)
         self.state = scheduler.TrainState(placed.params, opt_state, placed.ref_params)
@@ -103,7 +104,7 @@ class Runner:
                                    max_workers=cfg.rl.reward_workers, on_failure=cfg.rl.reward_failure)
         split = None
         if cfg.run.schedule == "rollplex":
-            split = make_split_programs(cfg.model, cfg.rl)
+            split = make_split_programs(cfg.model, cfg.rl, cfg.programs)
         if cfg.memory.measure_memory:
             self.programs, split = run_setup.tracked(self.meter, self.programs, split)
         gather = multihost.ReplicatedCopy(self.mesh) if self.procs.many else None

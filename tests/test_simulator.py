@@ -114,7 +114,7 @@ def test_dense_counts_match_xla_cost_analysis():
     inputs = prepare_inputs(mcfg, ids, np.ones_like(ids), np.concatenate(per_row), grids)
     params = init_params(mcfg, jax.random.key(0))
 
-    pm = planner.CURRENT_PROGRAMS
+    pm = planner.DENSE_PROGRAMS
     # The programs that model describes: dense attention, no remat (not the model functions' defaults).
     prog = ProgramConfig(attention=pm.attention, remat=pm.remat)
 

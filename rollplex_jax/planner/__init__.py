@@ -6,7 +6,7 @@ rollplex; ``launch/plan.py`` prints it, the runtime uses it to pick the optimize
 ``--hbm_budget``. Where each part lives (each module's docstring has its formulas and assumptions):
 
 - ``types``: the inputs and the result: ``Lengths`` (tokens per row), ``ProgramModel`` (attention
-  kernel and remat; ``CURRENT_PROGRAMS`` = today's JAX programs, ``DEFAULT_PROGRAMS`` = a GPU run at
+  kernel and remat; ``DENSE_PROGRAMS`` = today's JAX programs, ``DEFAULT_PROGRAMS`` = a GPU run at
   scale), ``PlanMesh`` (how devices divide into training shards, batch shards and engine replicas),
   ``param_counts``, ``Plan``, ``BudgetError``, ``human_bytes``;
 - ``activations``: saved activations, vjp residuals and working sets of a layer / block / forward;
@@ -28,8 +28,8 @@ from rollplex_jax.planner.budget import Budget, choose_optimizer_policy, plan, s
 from rollplex_jax.planner.layouts import WEIGHT_SHARING_RULE, build_plan, sharing_classification
 from rollplex_jax.planner.types import (
     ATTENTIONS,
-    CURRENT_PROGRAMS,
     DEFAULT_PROGRAMS,
+    DENSE_PROGRAMS,
     LAYOUTS,
     REMATS,
     BudgetError,
@@ -46,7 +46,7 @@ from rollplex_jax.planner.types import (
 )
 
 __all__ = [
-    "ATTENTIONS", "BWD_FACTOR", "CURRENT_PROGRAMS", "DEFAULT_PROGRAMS", "LAYOUTS", "REMATS", "WEIGHT_SHARING_RULE",
+    "ATTENTIONS", "BWD_FACTOR", "DENSE_PROGRAMS", "DEFAULT_PROGRAMS", "LAYOUTS", "REMATS", "WEIGHT_SHARING_RULE",
     "Budget", "BudgetError", "GiB", "KiB", "Lengths", "MiB", "ParamCounts", "Plan", "PlanMesh", "ProgramModel",
     "build_plan", "choose_optimizer_policy", "human_bytes", "param_counts", "plan", "prefix_residual_bytes",
     "saved_activations", "sharing_classification", "smallest_budget",

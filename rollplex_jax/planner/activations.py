@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 
 from rollplex_jax.config import ModelConfig
-from rollplex_jax.planner.types import CURRENT_PROGRAMS, F32, ProgramModel, dtype_bytes
+from rollplex_jax.planner.types import DENSE_PROGRAMS, F32, ProgramModel, dtype_bytes
 
 # Layer working sets a backward step holds beside the saved activations (see the module doc).
 BWD_FACTOR = 1
@@ -117,7 +117,7 @@ def saved_activations(m: ModelConfig, r: int, t: int, tk: int, n: int, pm: Progr
     whole model, not sharded."""
     L, dd, d, b = m.text.num_hidden_layers, m.text.hidden_size, m.text.head_dim, dtype_bytes(m)
     v = m.vision
-    if pm.remat == "none":
+    if pm.remat in ("none", "dots"):  # dots: planned as no remat (an upper bound)
         out = L * layer_saved(m, r, t, tk, pm)
         if n:
             out += _blocks_saved(m, n, pm, per_image or (n // r if r else None))
@@ -134,7 +134,7 @@ def saved_activations(m: ModelConfig, r: int, t: int, tk: int, n: int, pm: Progr
 
 def one_layer_saved(m: ModelConfig, r: int, t: int, tk: int, n: int, pm: ProgramModel) -> float:
     """What one recomputed layer/block saves during the backward under remat (0 without remat)."""
-    if pm.remat == "none":
+    if pm.remat in ("none", "dots"):
         return 0.0
     full = ProgramModel(pm.attention, "none", pm.prefill_chunk)
     return max(layer_saved(m, r, t, tk, full), block_saved(m, n, full, n // r if r else None, True) if n else 0.0)
@@ -161,7 +161,7 @@ def block_temp(m: ModelConfig, n: int, pm: ProgramModel, segment: int | None = N
 
 
 def prefix_residual_bytes(m: ModelConfig, rows: int, prompt_tokens: int, vision_tokens: int,
-                          pm: ProgramModel = CURRENT_PROGRAMS, *, tp: int = 1, weight_shards: int = 1,
+                          pm: ProgramModel = DENSE_PROGRAMS, *, tp: int = 1, weight_shards: int = 1,
                           vision: bool = True) -> float:
     """Bytes of the actor prefix's vjp residuals on one device: saved activations of ``rows`` prompts
     (divided by tp); the weights are not among them (``weight_shards`` is kept for callers, unused)."""

@@ -17,7 +17,7 @@ import dataclasses
 
 from rollplex_jax.config import Config
 from rollplex_jax.planner.layouts import build_plan
-from rollplex_jax.planner.types import DEFAULT_PROGRAMS, BudgetError, Lengths, Plan, PlanMesh, ProgramModel, human_bytes
+from rollplex_jax.planner.types import BudgetError, Lengths, Plan, PlanMesh, ProgramModel, human_bytes
 
 
 def _resolve_policy(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, policy: str | None) -> str:
@@ -34,20 +34,21 @@ def _resolve_policy(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramMo
 
 
 def plan(cfg: Config, lengths: Lengths | None = None, devices: int | None = None, *,
-         programs: ProgramModel = DEFAULT_PROGRAMS, optimizer_policy: str | None = None) -> Plan:
+         programs: ProgramModel | None = None, optimizer_policy: str | None = None) -> Plan:
     """Per-device bytes of every buffer class in every phase, for both layouts (``layouts`` module doc).
 
     Args:
       cfg: the run's config.
       lengths: tokens per row (default ``Lengths.from_config(cfg)``, the worst case).
       devices: devices to plan for; None/0: train_fsdp * train_tp.
-      programs: the program model (default: flash attention + per-layer remat).
+      programs: the program model (default: the programs the config builds, ``ProgramModel.of(cfg.programs)``).
       optimizer_policy: overrides the config's for the rollplex layout ('auto' resolves against
         ``cfg.memory.hbm_budget``, no budget -> resident).
     Returns:
       The ``Plan`` (layouts, peaks, assumptions, details).
     """
     lengths = lengths or Lengths.from_config(cfg)
+    programs = programs or ProgramModel.of(cfg.programs)
     mesh = PlanMesh.of(cfg, devices)
     policy = _resolve_policy(cfg, lengths, mesh, programs, optimizer_policy)
     return build_plan(cfg, lengths, mesh, programs, policy)
@@ -60,7 +61,7 @@ class Budget:
 
 
 def smallest_budget(cfg: Config, lengths: Lengths | None = None, devices: int | None = None, *,
-                    programs: ProgramModel = DEFAULT_PROGRAMS) -> Budget:
+                    programs: ProgramModel | None = None) -> Budget:
     """The smallest per-device budget the rollplex layout fits in, with the policy that achieves it
     (resident when it is as small: no host transfers)."""
     peaks = {pol: plan(cfg, lengths, devices, programs=programs, optimizer_policy=pol).peak_bytes("rollplex")
@@ -70,7 +71,7 @@ def smallest_budget(cfg: Config, lengths: Lengths | None = None, devices: int | 
 
 
 def choose_optimizer_policy(cfg: Config, lengths: Lengths | None, devices: int | None, budget_bytes: int, *,
-                            programs: ProgramModel = DEFAULT_PROGRAMS) -> str:
+                            programs: ProgramModel | None = None) -> str:
     """'resident' if the rollplex plan fits ``budget_bytes`` with the optimizer state resident, else
     'offload' if it fits offloaded, else ``BudgetError`` naming the smallest budget that fits.
     ``budget_bytes`` = 0: no budget -> 'resident'. (Ignores ``cfg.memory.optimizer_policy``.)"""

@@ -88,7 +88,6 @@ from rollplex_jax.planner.activations import (
     saved_activations,
 )
 from rollplex_jax.planner.types import (
-    CURRENT_PROGRAMS,
     F32,
     Lengths,
     ParamCounts,
@@ -311,9 +310,7 @@ def _assumptions(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
                  else "is recomputed in the update, micro-batch by micro-batch (only its boundary KV is kept)")
     offload, chunks, c = policy == "offload", cfg.memory.optimizer_chunks, s.classification
     return [
-        pm.describe() + (" [calibrated against jax.eval_shape of today's programs]" if pm == CURRENT_PROGRAMS
-                         else " [not today's JAX programs, which are dense and keep every residual: "
-                              "--plan_attention=dense --plan_remat=none plans those]"),
+        pm.describe(),
         f"lengths per row: prompt {Tp} tokens ({Tv} of them vision, {patches} patches), answer {Tr} tokens; "
         + lengths.source,
         f"devices {mesh.devices}: training fsdp {mesh.fsdp} x tp {mesh.tp} x dp {mesh.dp} (batch over "

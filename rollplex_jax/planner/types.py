@@ -7,11 +7,11 @@ program model:
 - ``Lengths``: tokens per row (prompt, its vision tokens, answer), the config's worst case by default.
 - ``ProgramModel``: how the programs use memory. The attention kernel (``dense`` materialises
   [heads, Tq, Tk] scores, ``flash`` is a memory-efficient kernel) and activation checkpointing
-  (``none`` / ``layer``). ``CURRENT_PROGRAMS`` (dense, none) are today's JAX programs (the calibrated
+  (``none`` / ``layer``). ``DENSE_PROGRAMS`` (dense, none) are today's JAX programs (the calibrated
   case); ``DEFAULT_PROGRAMS`` (flash, layer) are what a GPU run at scale needs and what the paper's
   stack (Megatron-Core with FlashAttention and activation recompute, vLLM) does; every plan lists
   which it used in its assumptions. To compare a plan with the memory today's programs measure
-  (``rollplex_jax.memory``), pass ``programs=CURRENT_PROGRAMS``: at scale they keep every residual (no
+  (``rollplex_jax.memory``), pass ``programs=DENSE_PROGRAMS``: at scale they keep every residual (no
   activation is recomputed) and materialise attention scores, which is why the default plans the
   programs a GPU run needs.
 - ``PlanMesh``: mesh and sharding (``D`` = devices, ``--plan_devices``, default ``mesh.train_fsdp *
@@ -42,7 +42,7 @@ from rollplex_jax.memory_classes import PHASES
 
 LAYOUTS = ("naive_colocation", "rollplex")
 ATTENTIONS = ("dense", "flash")
-REMATS = ("none", "layer")
+REMATS = ("none", "layer", "dots")
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 F32 = 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -83,17 +83,25 @@ class ProgramModel:
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1")
 
+    @classmethod
+    def of(cls, programs) -> ProgramModel:
+        """The model of the programs a ``config.ProgramConfig`` builds: blockwise (and cuDNN, which falls back to
+        it) attention is ``flash`` (O(T) state per layer), ``dense`` is dense; remat as configured."""
+        return cls(attention="dense" if programs.attention == "dense" else "flash", remat=programs.remat)
+
     def describe(self) -> str:
         att = ("flash attention (memory-efficient kernel: O(T) attention state per layer)" if self.attention == "flash"
-               else "dense attention (fp32 [heads, Tq, Tk] scores materialised, as today's JAX programs)")
-        rem = ("per-layer activation checkpointing (only each decoder layer's / vision block's input is saved; "
-               "one layer is recomputed in the backward)" if self.remat == "layer"
-               else "no activation checkpointing (every residual of the forward is saved, as today's JAX programs)")
+               else "dense attention (fp32 [heads, Tq, Tk] scores materialised: --attention=dense)")
+        rem = {"layer": "per-layer activation checkpointing (only each decoder layer's / vision block's input is "
+                        "saved; one layer is recomputed in the backward)",
+               "dots": "per-layer checkpointing that saves the weight matmuls' outputs (planned as no remat: an "
+                       "upper bound)",
+               "none": "no activation checkpointing (every residual of the forward is saved)"}[self.remat]
         return f"programs: {att}; {rem}"
 
 
-CURRENT_PROGRAMS = ProgramModel(attention="dense", remat="none")
-DEFAULT_PROGRAMS = ProgramModel(attention="flash", remat="layer")
+DENSE_PROGRAMS = ProgramModel(attention="dense", remat="none")  # --attention=dense --remat=none: the oracle
+DEFAULT_PROGRAMS = ProgramModel(attention="flash", remat="layer")  # the default ProgramConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,20 +23,22 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from rollplex_jax.config import ModelConfig, OptimConfig, RlConfig
+from rollplex_jax.config import ModelConfig, OptimConfig, ProgramConfig, RlConfig
+from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, full_forward, gather_logprobs
 from rollplex_jax.programs.optimizer import ChunkedOptimizer
 from rollplex_jax.rl import losses
 
 
-def response_logits(params, cfg: ModelConfig, inputs: ModelInputs, prompt_len, n_response: int):
-    """fp32 logits [R, Tr, V] predicting each answer token (rows = prompt ++ answer)."""
-    logits = full_forward(params, cfg, inputs)
-    return jax.lax.dynamic_slice_in_dim(logits, prompt_len - 1, n_response, axis=1)
+def response_logits(params, cfg: ModelConfig, inputs: ModelInputs, prompt_len, n_response: int,
+                    prog: ProgramConfig = ProgramConfig()):
+    """fp32 logits [R, Tr, V] predicting each answer token (rows = prompt ++ answer): the vocabulary projection
+    runs on those positions only."""
+    return full_forward(params, cfg, inputs, prog=prog, logits_window=(prompt_len - 1, n_response))
 
 
-def _logprobs(cfg, params, inputs, prompt_len, response_ids, response_mask):
-    logits = response_logits(params, cfg, inputs, prompt_len, response_ids.shape[1])
+def _logprobs(cfg, prog, params, inputs, prompt_len, response_ids, response_mask):
+    logits = response_logits(params, cfg, inputs, prompt_len, response_ids.shape[1], prog)
     return gather_logprobs(logits, response_ids, response_mask)
 
 
@@ -60,10 +62,10 @@ def objective(rl: RlConfig, logp, pred_logits, weights, advantages, old_logp, re
     return loss, metrics
 
 
-def _loss(cfg: ModelConfig, rl: RlConfig, params, inputs, prompt_len, response_ids, weights, advantages,
-          old_logp, ref_logp):
+def _loss(cfg: ModelConfig, prog: ProgramConfig, rl: RlConfig, params, inputs, prompt_len, response_ids, weights,
+          advantages, old_logp, ref_logp):
     """The objective on one micro-batch of full sequences (prompt ++ answer rows)."""
-    logits = response_logits(params, cfg, inputs, prompt_len, response_ids.shape[1])
+    logits = response_logits(params, cfg, inputs, prompt_len, response_ids.shape[1], prog)
     logp = gather_logprobs(logits, response_ids, weights > 0)
     return objective(rl, logp, logits, weights, advantages, old_logp, ref_logp)
 
@@ -82,10 +84,11 @@ class Programs:
 
 
 def make_programs(cfg: ModelConfig, rl: RlConfig, optim: OptimConfig, total_steps: int, *, optimizer_chunks: int = 1,
-                  offload_optimizer: bool = False) -> Programs:
-    """Builds (jits) every program of the serial schedule once."""
-    logprobs = jax.jit(functools.partial(_logprobs, cfg))
-    grad = jax.jit(jax.value_and_grad(functools.partial(_loss, cfg, rl), has_aux=True))
+                  offload_optimizer: bool = False, prog: ProgramConfig = ProgramConfig()) -> Programs:
+    """Builds (jits) every program of the serial schedule once (``prog``: attention kernel and remat)."""
+    opts = compiler_options(prog.remat)
+    logprobs = jax.jit(functools.partial(_logprobs, cfg, prog), compiler_options=opts)
+    grad = jax.jit(jax.value_and_grad(functools.partial(_loss, cfg, prog, rl), has_aux=True), compiler_options=opts)
     accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=0)
     optimizer = ChunkedOptimizer(optim, total_steps, n_chunks=optimizer_chunks, offload=offload_optimizer)
     return Programs(ref_logprobs=logprobs, old_logprobs=logprobs, grad=grad, accumulate=accumulate,

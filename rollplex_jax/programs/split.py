@@ -38,8 +38,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from rollplex_jax.config import ModelConfig, RlConfig
+from rollplex_jax.config import ModelConfig, ProgramConfig, RlConfig
 from rollplex_jax.mesh import constrain_like_params
+from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
 from rollplex_jax.models.qwen2_5_vl.model import (
     ModelInputs,
     PrefixState,
@@ -51,9 +52,9 @@ from rollplex_jax.models.qwen2_5_vl.model import (
 from rollplex_jax.programs.actor import objective
 
 
-def _prefix(cfg: ModelConfig, params, inputs: ModelInputs, vision_embeds):
+def _prefix(cfg: ModelConfig, prog: ProgramConfig, params, inputs: ModelInputs, vision_embeds):
     """(k, v, last_logits) of the prompts; the vision tower runs inside unless embeds are given."""
-    state, last = prefix_forward(params, cfg, inputs, vision_embeds=vision_embeds)
+    state, last = prefix_forward(params, cfg, inputs, vision_embeds=vision_embeds, prog=prog)
     return state.k, state.v, last
 
 
@@ -69,13 +70,13 @@ class ResidualPrefix:
     the residuals' tree structure and, per residual leaf, the parameter it is (or None), recorded when the
     program was traced for those shapes."""
 
-    def __init__(self, cfg: ModelConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, prog: ProgramConfig = ProgramConfig()):
+        self.cfg, self.prog = cfg, prog
         self._meta: dict = {}
-        self.program = jax.jit(self._run)
+        self.program = jax.jit(self._run, compiler_options=compiler_options(prog.remat))
 
     def _run(self, params, inputs, emb):
-        (k, v, last), vjp = jax.vjp(lambda p: _prefix(self.cfg, p, inputs, emb), params)
+        (k, v, last), vjp = jax.vjp(lambda p: _prefix(self.cfg, self.prog, p, inputs, emb), params)
         leaves, treedef = jax.tree_util.tree_flatten(vjp)
         by_id = {id(a): name for name, a in params.items()}
         names = tuple(by_id.get(id(leaf)) for leaf in leaves)
@@ -94,7 +95,7 @@ class ResidualPrefix:
     def wrapped(self, wrap) -> ResidualPrefix:
         """The same program (and recorded layouts) with ``wrap`` around the jitted call (memory tracking)."""
         out = object.__new__(ResidualPrefix)
-        out.cfg, out._meta, out.program = self.cfg, self._meta, wrap(self.program)
+        out.cfg, out.prog, out._meta, out.program = self.cfg, self.prog, self._meta, wrap(self.program)
         return out
 
 
@@ -113,28 +114,28 @@ def _rows(size: int, p0, *arrays):
     return [jax.lax.dynamic_slice_in_dim(a, p0, size, axis=1 if a.ndim == 5 else 0) for a in arrays]
 
 
-def _suffix_logp(cfg, size, params, k, v, last, mask, next_pos, p0, response_ids, response_mask):
+def _suffix_logp(cfg, prog, size, params, k, v, last, mask, next_pos, p0, response_ids, response_mask):
     k, v, last, mask, next_pos = _rows(size, p0, k, v, last, mask, next_pos)
-    logits = suffix_forward(params, cfg, PrefixState(k, v, mask, next_pos), response_ids, response_mask)
+    logits = suffix_forward(params, cfg, PrefixState(k, v, mask, next_pos), response_ids, response_mask, prog=prog)
     return suffix_logprobs(last, logits, response_ids, response_mask), logits
 
 
-def _suffix_loss(cfg: ModelConfig, rl: RlConfig, params, k, v, last, mask, next_pos, response_ids, weights,
-                 advantages, old_logp, ref_logp):
+def _suffix_loss(cfg: ModelConfig, prog: ProgramConfig, rl: RlConfig, params, k, v, last, mask, next_pos,
+                 response_ids, weights, advantages, old_logp, ref_logp):
     """The serial objective (``actor.objective``) on [b, n, Tr] answers over their prefix rows' state."""
     state = PrefixState(k, v, mask, next_pos)
-    logits = suffix_forward(params, cfg, state, response_ids, weights > 0)
+    logits = suffix_forward(params, cfg, state, response_ids, weights > 0, prog=prog)
     logp = suffix_logprobs(last, logits, response_ids, weights > 0)
     b, n, t, vsz = logits.shape
     pred = jnp.concatenate([jnp.broadcast_to(last[:, None, None], (b, n, 1, vsz)), logits[:, :, :-1]], axis=2)
     return objective(rl, logp, pred, weights, advantages, old_logp, ref_logp)
 
 
-def _suffix_grads(cfg, rl, size, params, k, v, last, mask, next_pos, p0, response_ids, weights, advantages,
+def _suffix_grads(cfg, prog, rl, size, params, k, v, last, mask, next_pos, p0, response_ids, weights, advantages,
                   old_logp, ref_logp):
     """A micro-batch's suffix gradients w.r.t. params and its rows' boundary state (k, v, last)."""
     k, v, last, mask, next_pos = _rows(size, p0, k, v, last, mask, next_pos)
-    loss_fn = functools.partial(_suffix_loss, cfg, rl)
+    loss_fn = functools.partial(_suffix_loss, cfg, prog, rl)
     (_, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 2, 3), has_aux=True)(
         params, k, v, last, mask, next_pos, response_ids, weights, advantages, old_logp, ref_logp)
     return constrain_like_params(grads[0], cfg), grads[1:], metrics
@@ -149,12 +150,12 @@ def _add_cotangent(acc, g, p0):
     return tuple(add(a, x) for a, x in zip(acc, g, strict=True))
 
 
-def _grads_recompute(cfg, rl, params, inputs, vision_embeds, response_ids, weights, advantages, old_logp,
+def _grads_recompute(cfg, prog, rl, params, inputs, vision_embeds, response_ids, weights, advantages, old_logp,
                      ref_logp):
     """A micro-batch's gradient with its prefix forward recomputed inside (``inputs``: its prompt rows)."""
     def loss_fn(p):
-        k, v, last = _prefix(cfg, p, inputs, vision_embeds)
-        return _suffix_loss(cfg, rl, p, k, v, last, inputs.attention_mask.astype(bool), inputs.next_position,
+        k, v, last = _prefix(cfg, prog, p, inputs, vision_embeds)
+        return _suffix_loss(cfg, prog, rl, p, k, v, last, inputs.attention_mask.astype(bool), inputs.next_position,
                             response_ids, weights, advantages, old_logp, ref_logp)
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -173,16 +174,18 @@ class SplitPrograms:
     grads_recompute: Callable
 
 
-def make_split_programs(cfg: ModelConfig, rl: RlConfig) -> SplitPrograms:
-    """Builds (jits) the Rollplex programs once. ``size`` (prefix rows of a micro-batch) and ``meta`` are
-    static: one compilation per micro-batch size, the boundary sliced inside."""
+def make_split_programs(cfg: ModelConfig, rl: RlConfig, prog: ProgramConfig = ProgramConfig()) -> SplitPrograms:
+    """Builds (jits) the Rollplex programs once (``prog``: attention kernel and remat). ``size`` (prefix rows
+    of a micro-batch) and ``meta`` are static: one compilation per micro-batch size, the boundary sliced
+    inside."""
+    jit = functools.partial(jax.jit, compiler_options=compiler_options(prog.remat))
     return SplitPrograms(
-        vision=jax.jit(lambda params, inputs: encode_vision(params, cfg, inputs)),
-        prefix=jax.jit(functools.partial(_prefix, cfg)),
-        actor_prefix=ResidualPrefix(cfg),
-        suffix_logp=jax.jit(lambda size, *a: _suffix_logp(cfg, size, *a)[0], static_argnums=0),
-        suffix_grads=jax.jit(functools.partial(_suffix_grads, cfg, rl), static_argnums=0),
+        vision=jit(lambda params, inputs: encode_vision(params, cfg, inputs, prog=prog)),
+        prefix=jit(functools.partial(_prefix, cfg, prog)),
+        actor_prefix=ResidualPrefix(cfg, prog),
+        suffix_logp=jit(lambda size, *a: _suffix_logp(cfg, prog, size, *a)[0], static_argnums=0),
+        suffix_grads=jit(functools.partial(_suffix_grads, cfg, prog, rl), static_argnums=0),
         add_cotangent=jax.jit(_add_cotangent, donate_argnums=0),
-        prefix_vjp=jax.jit(functools.partial(_prefix_vjp, cfg), static_argnums=0),
-        grads_recompute=jax.jit(functools.partial(_grads_recompute, cfg, rl)),
+        prefix_vjp=jit(functools.partial(_prefix_vjp, cfg), static_argnums=0),
+        grads_recompute=jit(functools.partial(_grads_recompute, cfg, prog, rl)),
     )

@@ -46,8 +46,8 @@ import math
 from rollplex_jax.config import Config
 from rollplex_jax.hardware import Hardware
 from rollplex_jax.planner import (
-    CURRENT_PROGRAMS,
     DEFAULT_PROGRAMS,
+    DENSE_PROGRAMS,
     Lengths,
     ParamCounts,
     PlanMesh,
@@ -83,7 +83,7 @@ class Setup:
     def of(cls, cfg: Config, hw: Hardware, lengths: Lengths | None, devices: int | None,
            response_mean: float | None, programs: ProgramModel | None) -> Setup:
         lengths = lengths or Lengths.from_config(cfg)
-        pm = programs or (CURRENT_PROGRAMS if hw.default_programs == "dense" else DEFAULT_PROGRAMS)
+        pm = programs or (DENSE_PROGRAMS if hw.default_programs == "dense" else ProgramModel.of(cfg.programs))
         Tr = lengths.response_tokens
         return cls(cfg, hw, lengths, PlanMesh.of(cfg, devices), pm, param_counts(cfg),
                    min(Tr, response_mean if response_mean else Tr))

@@ -78,14 +78,14 @@ def test_residual_formula_matches_the_prefix_program(name, prompt):
     rows, tokens = inp["input_ids"].shape
     grid = inp["image_grid_thw"]
     vision_tokens = 0 if grid is None else int(np.prod(grid, -1).sum()) // rows // cfg.vision.spatial_merge_size**2
-    predicted = planner.prefix_residual_bytes(cfg, rows, tokens, vision_tokens, planner.CURRENT_PROGRAMS)
+    predicted = planner.prefix_residual_bytes(cfg, rows, tokens, vision_tokens, planner.DENSE_PROGRAMS)
     assert abs(predicted - got) <= 0.15 * got, (name, prompt, predicted, got)
 
 
 def test_cheaper_programs_keep_fewer_residuals():
     cfg = TINY_CONFIGS["tiny"]
     sizes = [planner.prefix_residual_bytes(cfg, 4, 64, 16, pm) for pm in (
-        planner.CURRENT_PROGRAMS, planner.ProgramModel("flash", "none"), planner.DEFAULT_PROGRAMS)]
+        planner.DENSE_PROGRAMS, planner.ProgramModel("flash", "none"), planner.DEFAULT_PROGRAMS)]
     assert sizes[0] > sizes[1] > sizes[2] > 0
 
 

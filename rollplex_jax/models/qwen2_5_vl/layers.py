@@ -55,6 +55,16 @@ def rematerialise(fn, remat: str):
     return jax.checkpoint(fn, policy=_REMAT_POLICIES[remat])
 
 
+def compiler_options(remat: str) -> dict | None:
+    """XLA options a program with ``remat`` needs on this backend: on CPU, keep ``jax.checkpoint``'s
+    optimization barriers (XLA's CPU pipeline removes them before its last CSE pass, which then merges the
+    backward's recomputation into the forward and undoes most of the remat: measured 128 -> 72 MiB temp on an
+    8-layer toy once kept). GPU pipelines remove them only after scheduling: nothing to change there."""
+    if remat == "none" or jax.default_backend() != "cpu":
+        return None
+    return {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
 def layer_params(params: dict, prefix: str) -> dict:
     """The entries of ``params`` under ``prefix`` (e.g. ``model.layers.3.``): what one checkpointed layer
     takes as input, so its residuals are views of those arrays, nothing else."""

@@ -169,9 +169,15 @@ def _rows_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_em
 
 
 def full_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds=None,
-                 return_hidden: bool = False, *, prog: ProgramConfig = ProgramConfig()):
-    """Plain causal forward over whole rows. Returns fp32 logits [B, T, V] (and per-layer hidden)."""
+                 return_hidden: bool = False, *, prog: ProgramConfig = ProgramConfig(), logits_window=None):
+    """Plain causal forward over whole rows. Returns fp32 logits [B, T, V] (and per-layer hidden).
+
+    ``logits_window=(start, length)``: the logits of positions [start, start + length) only ([B, length, V];
+    ``start`` may be traced, ``length`` static): the vocabulary projection of the other positions (a prompt's
+    thousands of tokens x V floats) is never computed."""
     h, hidden, _ = _rows_forward(params, cfg, inputs, vision_embeds, prog)
+    if logits_window is not None:
+        h = jax.lax.dynamic_slice_in_dim(h, logits_window[0], logits_window[1], axis=1)
     logits = lm_logits(params, h, cfg)
     return (logits, hidden) if return_hidden else logits
 
