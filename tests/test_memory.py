@@ -151,7 +151,7 @@ def test_hbm_budget_forces_offload_or_refuses_naming_the_smallest_budget(tmp_pat
     from rollplex_jax.config import ConfigError
 
     probe = _demo_runner(tmp_path, "probe")
-    peaks = {p: planner.plan(probe.cfg, probe.lengths, 1, programs=planner.DENSE_PROGRAMS,
+    peaks = {p: planner.plan(probe.cfg, probe.lengths, 1,
                              optimizer_policy=p).peak_bytes("rollplex") for p in ("resident", "offload")}
     probe.close()
     assert peaks["offload"] < peaks["resident"]
@@ -177,10 +177,10 @@ def test_hbm_budget_on_a_mesh_plans_per_device(tmp_path):
 
     mesh = dict(train_fsdp=2, train_tp=2)
     probe = _demo_runner(tmp_path, "probe4", **mesh)
-    peaks = {p: planner.plan(probe.cfg, probe.lengths, 4, programs=planner.DENSE_PROGRAMS,
+    peaks = {p: planner.plan(probe.cfg, probe.lengths, 4,
                              optimizer_policy=p).peak_bytes("rollplex") for p in ("resident", "offload")}
     one = planner.plan(dataclasses.replace(probe.cfg, mesh=MeshConfig()), probe.lengths, 1,
-                       programs=planner.DENSE_PROGRAMS, optimizer_policy="offload").peak_bytes("rollplex")
+                       optimizer_policy="offload").peak_bytes("rollplex")
     probe.close()
     assert peaks["offload"] < peaks["resident"] < one  # per device on the mesh: less than on one device
     r = _demo_runner(tmp_path, "fit4", hbm_budget=str((peaks["offload"] + peaks["resident"]) // 2), **mesh)

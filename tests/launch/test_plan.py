@@ -15,7 +15,7 @@ from absl import flags
 
 from launch import flags as launch_flags
 from rollplex_jax import planner
-from rollplex_jax.config import Config, ModelConfig, parse_bytes, tiny_model_config
+from rollplex_jax.config import Config, ModelConfig, ProgramConfig, parse_bytes, tiny_model_config
 from rollplex_jax.memory_classes import CLASSES, PHASES
 from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.models.qwen2_5_vl.params import count_params, init_params, param_shapes
@@ -49,12 +49,12 @@ def _run_plan(*args: str) -> subprocess.CompletedProcess:
 
 # --- the residual formula against jax.eval_shape of the real prefix program ------------------------------------
 
-def _measured_residual_bytes(cfg: ModelConfig, rows: list) -> tuple[int, dict]:
-    """Bytes of every residual leaf the actor prefix program returns (each is its own buffer: jit outputs
-    never alias inputs, so forwarded patches count too; the weights are left out by the program)."""
+def _measured_residual_bytes(cfg: ModelConfig, rows: list, prog: ProgramConfig) -> tuple[int, dict]:
+    """Bytes of every residual leaf the actor prefix program (built with ``prog``) returns (each is its own
+    buffer: jit outputs never alias inputs, so forwarded patches count too; the weights are left out)."""
     inp = mm_inputs(cfg, rows, np.random.default_rng(0))
     inputs = M.prepare_inputs(cfg, **inp)
-    out = jax.eval_shape(ResidualPrefix(cfg).program, param_shapes(cfg), inputs, None)
+    out = jax.eval_shape(ResidualPrefix(cfg, prog).program, param_shapes(cfg), inputs, None)
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out[3])), inp
 
 
@@ -70,16 +70,23 @@ PROMPTS = {
 }
 
 
+PROGRAMS = {"dense, no remat": ProgramConfig(attention="dense", remat="none"),
+            "defaults (blockwise, remat per layer)": ProgramConfig()}
+
+
+@pytest.mark.parametrize("programs", list(PROGRAMS))
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
-def test_residual_formula_matches_the_prefix_program(name, prompt):
-    cfg = TINY_CONFIGS[name]
-    got, inp = _measured_residual_bytes(cfg, PROMPTS[prompt])
+def test_residual_formula_matches_the_prefix_program(name, prompt, programs):
+    """The planner's residual bytes for the programs a ProgramConfig builds equal the residual leaves that
+    program really returns, within 15%."""
+    cfg, prog = TINY_CONFIGS[name], PROGRAMS[programs]
+    got, inp = _measured_residual_bytes(cfg, PROMPTS[prompt], prog)
     rows, tokens = inp["input_ids"].shape
     grid = inp["image_grid_thw"]
     vision_tokens = 0 if grid is None else int(np.prod(grid, -1).sum()) // rows // cfg.vision.spatial_merge_size**2
-    predicted = planner.prefix_residual_bytes(cfg, rows, tokens, vision_tokens, planner.DENSE_PROGRAMS)
-    assert abs(predicted - got) <= 0.15 * got, (name, prompt, predicted, got)
+    predicted = planner.prefix_residual_bytes(cfg, rows, tokens, vision_tokens, planner.ProgramModel.of(prog))
+    assert abs(predicted - got) <= 0.15 * got, (name, prompt, programs, predicted, got)
 
 
 def test_cheaper_programs_keep_fewer_residuals():
