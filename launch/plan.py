@@ -182,7 +182,7 @@ def compiled_section(cfg, lengths, p) -> dict:
 
     c = aot.compiled_memory(cfg, lengths, policy=p.optimizer_policy, frames=_FRAMES.value)
     out = {"compiled": {k: v.to_dict() for k, v in c.programs.items()},
-           "compiled_phases": c.to_dict()["phases"]}
+           "compiled_phases": c.to_dict()["phases"], "compiled_note": c.note}
     if cfg.run.schedule == "rollplex":  # the planner has no layout of our serial schedule (naive = a baseline)
         out["planned_vs_compiled"] = {ph: round(p.jax_bytes("rollplex", ph) / max(b, 1), 4)
                                       for ph, b in c.phase_bytes.items()}

@@ -13,6 +13,19 @@ reference weights, residuals kept for later, ...), computed exactly from the abs
 shardings. ``launch.plan --compile`` prints both beside the planner's figures (``planned_vs_compiled``).
 The torch engine's KV cache and working set are not JAX programs: they stay the planner's.
 
+On CPU, XLA rewrites every 16-bit matmul to float32 (its dot emitter has no bfloat16 kernel: the
+``float-normalization-bf16`` and ``change-op-data-type`` passes insert converts), and the converted weights
+then live as fp32 temporaries: a bfloat16 Qwen2.5-VL-3B prefix forward compiled as is shows +0.29 GiB of
+temp per decoder layer (an fp32 copy of the layer's weights; flat in depth in float32), 56 GiB for the
+whole prefix, none of which a GPU allocates (its bf16 GEMMs are native). So on CPU a bfloat16 model is
+compiled as float16 (the same two bytes per element in every buffer; the CPU dot emitter takes f16) with
+``change-op-data-type`` disabled (``CPU_STANDIN``): the buffers are those of a 16-bit program. It is a
+stand-in for memory analysis only: such programs are compiled, never run. On a mesh, XLA's CPU pipeline
+also combines the all-reduces of every layer's weight gradient into one (``cpu-all-reduce-combiner``), so
+all layers' unreduced gradients are live at once: measured at 3B on 8 fake devices, the prefix vjp's
+temp grows 0.26 GiB per decoder layer with it and is flat without it; GPU combiners are bounded by a
+byte threshold. CPU compiles run without it. ``Compiled.note`` says what was changed.
+
 Inputs are the worst case the planner assumes (``planner.Lengths``): every row ``prompt_tokens`` long
 (no padding), one image of ``vision_tokens`` merged tokens per prompt (or a video), answers of
 ``response_tokens``; micro-batches of ``--micro_batch`` answers.
@@ -31,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rollplex_jax import mesh as mesh_lib
 from rollplex_jax.config import Config
 from rollplex_jax.models.qwen2_5_vl import rope
+from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs
 from rollplex_jax.models.qwen2_5_vl.params import param_shapes
 
@@ -51,6 +65,27 @@ class ProgramBytes:
     def to_dict(self) -> dict:
         return {"temp_bytes": self.temp, "argument_bytes": self.argument, "output_bytes": self.output,
                 "alias_bytes": self.alias, "total_bytes": self.total}
+
+
+CPU_STANDIN = {"bfloat16": "float16"}  # model dtype -> the dtype its programs compile as on CPU (module doc)
+CPU_COMBINER = "cpu-all-reduce-combiner"  # disabled in CPU compiles on a mesh (module doc)
+
+
+def compile_setup(cfg: Config) -> tuple[Config, dict | None, str]:
+    """(the config to compile, extra XLA options, a note): on CPU a bfloat16 model compiles as float16 with
+    the pass that upcasts 16-bit dots disabled (module doc); elsewhere the config as it is."""
+    if jax.default_backend() != "cpu":
+        return cfg, None, f"compiled as {cfg.model.dtype} on {jax.default_backend()}"
+    passes = [(compiler_options(cfg.programs.remat) or {}).get("xla_disable_hlo_passes"), CPU_COMBINER]
+    note = ["compiled on cpu without its all-reduce combiner (it merges every layer's gradient all-reduce "
+            "into one, keeping all of them live)"]
+    if cfg.model.dtype in CPU_STANDIN:
+        stand_in = CPU_STANDIN[cfg.model.dtype]
+        passes.append("change-op-data-type")
+        note.append(f"{cfg.model.dtype} compiled as {stand_in} (same bytes per element; XLA's CPU backend "
+                    "otherwise upcasts 16-bit matmuls to fp32, which a GPU does not)")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=stand_in))
+    return cfg, {"xla_disable_hlo_passes": ",".join(filter(None, passes))}, "; ".join(note)
 
 
 def compile_bytes(fn, *args, **static) -> ProgramBytes:
@@ -111,7 +146,8 @@ class Abstract:
         mask = np.ones_like(ids)
         img, vid = (grids, None) if kind == "image" else (None, grids)
         positions, next_pos = rope.get_rope_index(ids, mask, self.cfg.model, img, vid, None, types)
-        layout = rope.vision_layout(grids, self.cfg.model.vision).arrays() if len(grids) else None
+        layout = rope.vision_layout(grids, self.cfg.model.vision).arrays(self.cfg.mesh.train_fsdp) \
+            if len(grids) else None
         a = self.array
         patches = int(np.prod(grids, -1).sum()) if len(grids) else 0
         i32 = a(ids.shape, jnp.int32)
@@ -153,17 +189,19 @@ class Compiled:
     phase_bytes: dict[str, int]
     phase_program: dict[str, str]
     live_bytes: dict[str, dict[str, int]]
+    note: str = ""
 
     def to_dict(self) -> dict:
         return {"programs": {k: v.to_dict() for k, v in self.programs.items()},
                 "phases": {p: {"bytes": b, "program": self.phase_program[p], "live_bytes": self.live_bytes[p]}
-                           for p, b in self.phase_bytes.items()}}
+                           for p, b in self.phase_bytes.items()}, "note": self.note}
 
 
 class _Phases:
     """Collects programs per phase with the classes each takes or produces."""
 
-    def __init__(self):
+    def __init__(self, options: dict | None = None, note: str = ""):
+        self.options, self.note = options, note
         self.programs: dict[str, ProgramBytes] = {}
         self.entries: dict[str, list[tuple[str, set[str], int]]] = {}
         self.live: dict[str, dict[str, int]] = {}
@@ -174,6 +212,9 @@ class _Phases:
         self.programs[name] = pb
         self.entries.setdefault(phase, []).append((name, uses, partial))
 
+    def compile(self, fn, *args):
+        return compile_program(fn, *args, options=self.options)
+
     def result(self) -> Compiled:
         phase_bytes, phase_program = {}, {}
         for phase, live in self.live.items():
@@ -182,13 +223,14 @@ class _Phases:
                 extra = sum(v for k, v in live.items() if k not in uses) - partial
                 best = max(best, (self.programs[name].total + extra, name))
             phase_bytes[phase], phase_program[phase] = int(best[0]), best[1]
-        return Compiled(self.programs, phase_bytes, phase_program, self.live)
+        return Compiled(self.programs, phase_bytes, phase_program, self.live, self.note)
 
 
-def compile_program(fn, *args):
-    """(per-device bytes, abstract outputs with the compiled program's output shardings)."""
+def compile_program(fn, *args, options: dict | None = None):
+    """(per-device bytes, abstract outputs with the compiled program's output shardings); ``options``: XLA
+    options added to the program's own (a later ``xla_disable_hlo_passes`` replaces an earlier one)."""
     lowered = fn.lower(*args)
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=options)
     a = compiled.memory_analysis()
     pb = ProgramBytes(int(a.temp_size_in_bytes), int(a.argument_size_in_bytes), int(a.output_size_in_bytes),
                       int(a.alias_size_in_bytes))
@@ -218,13 +260,13 @@ def optimizer_state(optimizer, params: dict, A: Abstract):
 
 def _update_phase(ph: _Phases, optimizer, params, opt, grads, live: dict) -> None:
     """The optimizer's programs: global-norm clip, then one chunk's AdamW (the largest chunk)."""
-    pb, (clipped, _, ok) = compile_program(optimizer._clip, grads)
+    pb, (clipped, _, ok) = ph.compile(optimizer._clip, grads)
     ph.add("update", "clip", pb, {"gradients"})
     sizes = [device_bytes({k: params[k] for k in g}) for g in optimizer.names]
     i = int(np.argmax(sizes))
     group = optimizer.names[i]
     args = ({k: params[k] for k in group}, opt.chunks[i], opt.master[i], {k: clipped[k] for k in group}, ok)
-    pb, _ = compile_program(optimizer._chunk, *args)
+    pb, _ = ph.compile(optimizer._chunk, *args)
     live = dict(live, clipped=device_bytes(clipped))
     ph.live["update"] = live
     ph.add("update", "update_chunk", pb, set(), partial=device_bytes(args[:4]))
@@ -239,6 +281,7 @@ def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int 
 
     from rollplex_jax.programs.actor import make_programs
 
+    cfg, options, note = compile_setup(cfg)
     A = Abstract(cfg)
     offload = policy == "offload"
     progs = make_programs(cfg.model, cfg.rl, cfg.optim, max(cfg.run.steps, 1), offload_optimizer=offload,
@@ -248,7 +291,7 @@ def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int 
         base = {"compute_weights": device_bytes(A.params),
                 "ref_weights": device_bytes(A.params) if cfg.rl.uses_reference else 0}
         resident = {"optimizer_state": device_bytes(opt)}
-        ph = _Phases()
+        ph = _Phases(options, note)
         if cfg.run.schedule == "rollplex":
             _rollplex(ph, cfg, A, progs, lengths, frames, base, {} if offload else resident)
         else:
@@ -269,12 +312,12 @@ def _serial(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int, 
     ids, f32 = A.array((mb, Tr), jnp.int32), A.array((mb, Tr), jnp.float32)
     ph.live["rollout"] = dict(base, **resident)
     if cfg.rl.uses_reference:
-        pb, _ = compile_program(progs.ref_logprobs, A.params, inputs, Tp, ids, A.array((mb, Tr), jnp.int32))
+        pb, _ = ph.compile(progs.ref_logprobs, A.params, inputs, Tp, ids, A.array((mb, Tr), jnp.int32))
         ph.add("score", "ref_logprobs", pb, {"ref_weights"}, partial=device_bytes(inputs))
     ph.live["score"] = dict(base, **resident, other=other)
     old = f32 if cfg.rl.mini_batches > 1 else None
     ref = f32 if cfg.rl.uses_reference else None
-    pb, _ = compile_program(progs.grad, A.params, inputs, Tp, ids, f32, A.array((mb,), jnp.float32), old, ref)
+    pb, _ = ph.compile(progs.grad, A.params, inputs, Tp, ids, f32, A.array((mb,), jnp.float32), old, ref)
     ph.add("train", "grad", pb, {"compute_weights"}, partial=device_bytes(inputs))
     ph.live["train"] = dict(base, **resident, other=other, gradients=device_bytes(A.params))
 
@@ -298,23 +341,23 @@ def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int
     live = dict(base, **resident, other=device_bytes(inputs))
     emb = emb0 = None
     if cfg.optim.freeze_vision and Tv:
-        pb, emb = compile_program(sp.vision, A.params, inputs)
+        pb, emb = ph.compile(sp.vision, A.params, inputs)
         ph.add("rollout", "vision", pb, {"compute_weights", "other", "emb"})
         emb0 = emb if P0 == P else A.array((emb.shape[0] * P0 // P, D), emb.dtype)
         live["emb"] = device_bytes(emb)
     fn = sp.actor_prefix.program if res else sp.prefix
-    pb, out = compile_program(fn, A.params, inputs0, emb0)
+    pb, out = ph.compile(fn, A.params, inputs0, emb0)
     ph.add("rollout", "actor_prefix", pb, {"compute_weights", "other", "emb", "boundary_kv", "prefix_residuals"})
     boundary = [out[:3]]
     kept = out[3] if res else []
     if P0 < P:
-        _, rest = compile_program(sp.prefix, A.params, A.inputs(P - P0, Tp, Tv, 0, frames),
+        _, rest = ph.compile(sp.prefix, A.params, A.inputs(P - P0, Tp, Tv, 0, frames),
                                   None if emb is None else A.array((emb.shape[0] - emb0.shape[0], D), emb.dtype))
         boundary.append(rest)
     live.update(boundary_kv=device_bytes(boundary), prefix_residuals=device_bytes(kept))
     ref_b = None
     if cfg.rl.uses_reference:
-        pb, ref_b = compile_program(sp.prefix, A.params, inputs, emb)
+        pb, ref_b = ph.compile(sp.prefix, A.params, inputs, emb)
         ph.add("rollout", "ref_prefix", pb, {"ref_weights", "other", "emb", "boundary_kv"})
         live["boundary_kv"] += device_bytes(ref_b)
     ph.live["rollout"] = dict(live)
@@ -323,7 +366,7 @@ def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int
     mask, pos = A.array((P, Tp), bool), A.array((P,), jnp.int32)
     ids, rmask = A.array((size, na, Tr), jnp.int32), A.array((size, na, Tr), bool)
     if ref_b is not None:
-        pb, _ = compile_program(sp.suffix_logp, size, A.params, *ref_b, mask, pos, 0, ids, rmask)
+        pb, _ = ph.compile(sp.suffix_logp, size, A.params, *ref_b, mask, pos, 0, ids, rmask)
         ph.add("score", "suffix_logp", pb, {"ref_weights", "boundary_kv"})
     ph.live["score"] = dict(live)
     live["boundary_kv"] = device_bytes(boundary)  # the reference's ends with scoring
@@ -342,17 +385,17 @@ def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, b0, k
     live = dict(live, gradients=grads)
     if cfg.run.actor_prefix == "residuals":
         mask, pos = A.array((P0, Tp), bool), A.array((P0,), jnp.int32)
-        pb, (_, cts, _) = compile_program(sp.suffix_grads, size, A.params, *b0, mask, pos, 0, ids, f32, adv, old, ref)
+        pb, (_, cts, _) = ph.compile(sp.suffix_grads, size, A.params, *b0, mask, pos, 0, ids, f32, adv, old, ref)
         ph.add("train", "suffix_grads", pb, {"compute_weights", "boundary_kv"})
         ct = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) for x in b0)
         live["cotangents"] = device_bytes(ct)
         meta = sp.actor_prefix.meta(A.params, inputs0, emb0)
-        pb, _ = compile_program(sp.prefix_vjp, meta, A.params, kept, *ct)
+        pb, _ = ph.compile(sp.prefix_vjp, meta, A.params, kept, *ct)
         ph.add("train", "prefix_vjp", pb, {"compute_weights", "prefix_residuals", "cotangents"})
     if cfg.run.actor_prefix != "residuals" or cfg.rl.mini_batches > 1:
         inputs = A.inputs(size, Tp, Tv, 0, frames)  # a micro-batch's prefix rows
         emb = None if emb0 is None else A.array((emb0.shape[0] // P0 * size, emb0.shape[1]), emb0.dtype)
-        pb, _ = compile_program(sp.grads_recompute, A.params, inputs, emb, ids, f32, adv, old, ref)
+        pb, _ = ph.compile(sp.grads_recompute, A.params, inputs, emb, ids, f32, adv, old, ref)
         ph.add("train", "grads_recompute", pb, {"compute_weights"})
     ph.live["train"] = live
 

@@ -14,6 +14,9 @@ import os
 from typing import Any
 
 DTYPES = ("float32", "bfloat16")
+# float16 only as the CPU compile's stand-in for bfloat16 (aot.CPU_STANDIN: memory analysis, never run); the
+# --dtype flag offers DTYPES.
+INTERNAL_DTYPES = ("float16",)
 
 
 class ConfigError(ValueError):
@@ -131,7 +134,7 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        _require(self.dtype in DTYPES, "model.dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        _require(self.dtype in DTYPES + INTERNAL_DTYPES, "model.dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         _require(self.vision.out_hidden_size == self.text.hidden_size, "vision.out_hidden_size",
                  self.vision.out_hidden_size, f"must equal text.hidden_size={self.text.hidden_size}")
         for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",

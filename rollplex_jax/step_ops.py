@@ -64,7 +64,8 @@ class SerialOps:
         b, g, _ = rollouts.response_ids.shape
         self.prog, self.tracer, self.step = programs, tracer, step
         self.mbs = [mb for rows in mini_batch_rows(b * g, cfg.rl.mini_batches)
-                    for mb in micro_batches(cfg.model, prompts, rollouts, cfg.rl.micro_batch, rows)]
+                    for mb in micro_batches(cfg.model, prompts, rollouts, cfg.rl.micro_batch, rows,
+                                              cfg.mesh.train_fsdp)]
         self.ref_params = ref_params
         self.on_live = None  # nothing of its own is live beyond one program call
 

@@ -74,3 +74,27 @@ def test_launch_plan_compile_prints_compiled_and_planned_vs_compiled():
     assert {"layouts", "compiled", "planned_vs_compiled"} <= set(out)
     assert set(out["planned_vs_compiled"]) == {"rollout", "score", "train", "update"}
     assert all(v["total_bytes"] > 0 for v in out["compiled"].values())
+
+
+def test_cpu_compiles_16_bit_matmuls_as_a_gpu_would():
+    """On CPU, XLA upcasts bf16 matmuls to fp32 and keeps the converted weights as temporaries; the compile
+    stand-in (float16, same bytes, with ``change-op-data-type`` off) does not. A two-matmul gradient whose
+    weights are 16 MiB: as-is 44 MiB of temp (fp32 copies), with the stand-in 5 MiB (the [512, 4096]
+    hidden activation and its gradient)."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg, options, note = aot.compile_setup(config_from_flagfile("configs/tiny_cpu.flags", dtype="bfloat16"))
+    assert cfg.model.dtype == "float16" and "bfloat16 compiled as float16" in note
+    assert {"change-op-data-type", aot.CPU_COMBINER} <= set(options["xla_disable_hlo_passes"].split(","))
+    fp32, _, _ = aot.compile_setup(config_from_flagfile("configs/tiny_cpu.flags"))
+    assert fp32.model.dtype == "float32"
+
+    def temp(dtype, opts):
+        S = jax.ShapeDtypeStruct
+        f = jax.jit(jax.grad(lambda w1, w2, x: (jax.nn.relu(x @ w1) @ w2).sum()))
+        args = (S((1024, 4096), dtype), S((4096, 1024), dtype), S((512, 1024), dtype))
+        return aot.compile_program(f, *args, options=opts)[0].temp
+
+    as_is, stand_in = temp(jnp.bfloat16, None), temp(jnp.float16, options)
+    assert stand_in < 0.25 * as_is, (stand_in, as_is)

@@ -81,6 +81,7 @@ from rollplex_jax.config import Config, ModelConfig
 from rollplex_jax.memory_classes import CLASSES, PHASES
 from rollplex_jax.planner.activations import (
     BWD_FACTOR,
+    backward_carry,
     block_temp,
     layer_temp,
     one_layer_saved,
@@ -222,6 +223,15 @@ def naive_colocation(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramM
     return naive
 
 
+def gathered_weights(s: Sizes, mesh: PlanMesh) -> float:
+    """Bytes of FSDP-gathered weights a whole-model program holds beyond its own shard: XLA issues every
+    layer's all-gather ahead of its use, so the compiled program holds the whole tp-shard of the weights at
+    once (measured in CPU AOT compiles of Qwen2.5-VL-3B on 8 devices: the prefix forward's temp grows
+    by one gathered layer, 0.17 GiB, per decoder layer; flat on one device). GPU schedulers may hold
+    fewer (an upper bound there: no GPU measured)."""
+    return 0.0 if mesh.fsdp == 1 else s.compute * (mesh.fsdp - 1)
+
+
 def prefix_rows(cfg: Config, mesh: PlanMesh) -> int:
     """Prefix rows per device: one per prompt with prefix sharing, else one per answer."""
     B, G = cfg.rl.batch_prompts, cfg.rollout.group_size
@@ -250,26 +260,30 @@ def _rollplex_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: Pro
                       + max(layer_temp(m, Bp, Tp, Tp, pm),
                             block_temp(m, nv, pm, patches) + 2 * nv * v.hidden_size * b)) / tp
     r_s = s.r_mb  # answer rows per micro-batch per device
+    # scoring: the fp32 logits and one fp32 temporary per logit (log-softmax fused; measured with aot)
     suffix_score = (2 * r_s * Tr * x.hidden_size * b + layer_temp(m, r_s, Tr, Tp + Tr, pm)) / tp \
-        + r_s * s.logits_row * Tr * (F32 + b + 2 * F32)
+        + r_s * s.logits_row * Tr * 2 * F32
     suffix_train = (saved_activations(m, r_s, Tr, Tp + Tr, 0, pm)
                     + BWD_FACTOR * layer_temp(m, r_s, Tr, Tp + Tr, pm)
                     + one_layer_saved(m, r_s, Tr, Tp + Tr, 0, pm)) / tp \
         + r_s * s.logits_row * Tr * (2 * F32 + b + 2 * F32)
-    prefix_bwd = (BWD_FACTOR * max(layer_temp(m, bwd_rows, Tp, Tp, pm), block_temp(m, nb, pm, patches))
-                  + one_layer_saved(m, bwd_rows, Tp, Tp, nb, pm)) / tp
+    # The prefix vjp holds a text layer's backward working set and a vision block's together (measured with
+    # aot at scale_cpu: its temp is about the sum of the two, not the larger one).
+    prefix_bwd = (BWD_FACTOR * (layer_temp(m, bwd_rows, Tp, Tp, pm) + block_temp(m, nb, pm, patches))
+                  + one_layer_saved(m, bwd_rows, Tp, Tp, nb, pm) + backward_carry(m, bwd_rows * Tp, nb)) / tp
     recompute_saved = 0.0 if residuals else saved_activations(m, mb_rows, Tp, Tp, nb, pm, per_image=patches) / tp
     kv_row = x.num_hidden_layers * Tp * 2 * _kv_heads(m, tp) * x.head_dim * b + x.vocab_size * F32
     one_kv = Bp * kv_row
+    gathered = gathered_weights(s, mesh)
     return {
         "one_kv": one_kv,
         "prefix_res": prefix_residual_bytes(m, res_rows, Tp, Tv, pm, tp=tp, weight_shards=mesh.weight_shards,
                                             vision=vision_in_prefix) if residuals else 0.0,
-        "rollout": s.engine_tmp + prefix_fwd_tmp,
-        "score": suffix_score if cfg.rl.uses_reference else 0.0,
+        "rollout": s.engine_tmp + prefix_fwd_tmp + gathered,
+        "score": suffix_score + gathered if cfg.rl.uses_reference else 0.0,
         # the boundary cotangents accumulated over the micro-batches (residual path: its rows' k, v, last)
         "train": recompute_saved + max(suffix_train, prefix_bwd) + (res_rows * kv_row if residuals else 0.0)
-        + s.compute,
+        + s.compute + gathered,
         "emb": 0.0 if vision_in_prefix else Bp * Tv * x.hidden_size * b,
     }
 

@@ -45,7 +45,7 @@ ATTENTIONS = ("dense", "flash")
 REMATS = ("none", "layer", "dots")
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 F32 = 4
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class BudgetError(ValueError):
@@ -234,11 +234,12 @@ class Plan:
         return max(self.peak(layout, p) for p in PHASES)
 
     def jax_bytes(self, layout: str, phase: str) -> int:
-        """The phase's planned bytes that JAX holds: without the torch engine's KV cache and working set
-        (what ``memory.MemoryMeter`` measures on CPU and ``aot.compiled_memory`` compiles)."""
+        """The phase's planned bytes that JAX holds: without the torch engine's KV cache, working set and
+        own (rebuilt) weight buffers (what ``memory.MemoryMeter`` measures on CPU and ``aot.compiled_memory``
+        compiles)."""
         classes = self.layouts[layout][phase]
-        torch_side = classes.get("rollout_kv", 0) + (self.details["engine_activation_bytes"] if phase == "rollout"
-                                                      else 0)
+        torch_side = (classes.get("rollout_kv", 0) + classes.get("rollout_weights", 0)  # engine-owned (torch)
+                      + (self.details["engine_activation_bytes"] if phase == "rollout" else 0))
         return int(sum(classes.values()) - torch_side)
 
     def peak_phase(self, layout: str) -> str:

@@ -154,7 +154,7 @@ def test_vision_tower_blockwise_equals_dense(grids):
     params = {k: v for k, v in init_params(cfg, jax.random.key(0), std=0.2).items() if k.startswith("visual.")}
     grid = VISION_GRIDS[grids]
     layout = rope.vision_layout(grid, cfg.vision).arrays()
-    assert layout["window_gather"].shape[0] > len(grid)  # more windows than items: windows are really used
+    assert layout["window_gather"].shape[1] > len(grid)  # more windows than items: windows are really used
     pix = _normal(np.random.default_rng(4), int(np.prod(grid, -1).sum()), cfg.vision.patch_dim)
 
     def fn(impl, block, params, pix):

@@ -71,16 +71,20 @@ def layer_params(params: dict, prefix: str) -> dict:
     return {k: v for k, v in params.items() if k.startswith(prefix)}
 
 
-def constrain_rows(x: jax.Array) -> jax.Array:
-    """Activation constraint at a block boundary: rows (dim 0) split over the mesh axis ``fsdp`` (data
-    parallel), every other dimension replicated (so over ``tp`` the residual stream is whole).
+def constrain_rows(x: jax.Array, dims: tuple[int, ...] = (0,)) -> jax.Array:
+    """Activation constraint at a block boundary: rows split over the mesh axis ``fsdp`` (data parallel),
+    every other dimension replicated (so over ``tp`` the residual stream is whole). The rows are the first
+    of ``dims`` that ``fsdp`` divides: a text block [B, N, T, D] passes ``(0, 1)``, so a suffix micro-batch of
+    fewer prompts than devices splits its answers instead (without it GSPMD replicated the micro-batch:
+    every device computed all of it).
 
     A no-op without a mesh in context (``jax.set_mesh``; single-device runs), on a mesh without an
-    ``fsdp`` axis > 1, or when ``fsdp`` does not divide the rows (GSPMD then chooses)."""
+    ``fsdp`` axis > 1, or when ``fsdp`` divides none of ``dims`` (GSPMD then chooses)."""
     m = jax.sharding.get_abstract_mesh()
     if m.empty or "fsdp" not in m.axis_names:
         return x
     n = m.shape["fsdp"]
-    if n == 1 or x.shape[0] % n:
+    dim = next((d for d in dims if d < x.ndim and x.shape[d] % n == 0), None)
+    if n == 1 or dim is None:
         return x
-    return jax.lax.with_sharding_constraint(x, PartitionSpec("fsdp"))
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*([None] * dim), "fsdp"))

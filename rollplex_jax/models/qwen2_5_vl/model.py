@@ -88,8 +88,12 @@ def prepare_inputs(
     video_grid_thw: np.ndarray | None = None,
     second_per_grid_ts: np.ndarray | None = None,
     vision_region: np.ndarray | None = None,
+    groups: int = 1,
 ) -> ModelInputs:
     """Checks token/grid consistency and computes positions and the vision layout (host side).
+
+    ``groups``: the data-parallel degree (``fsdp``) the vision tower's patches are split over; its layout
+    is then group-local where the items allow (``rope.group_layout``: every window gather within a device).
 
     ``pixel_values`` holds the patches of every image (in batch order) followed by those of
     every video, matching ``image_grid_thw`` then ``video_grid_thw``. ``vision_region`` [B, T]
@@ -116,7 +120,7 @@ def prepare_inputs(
             raise ValueError(f"pixel_values has shape {got}, the grids need ({n_patches}, {cfg.vision.patch_dim})")
     positions, next_pos = rope.get_rope_index(input_ids, attention_mask, cfg, image_grid_thw, video_grid_thw,
                                               second_per_grid_ts, types)
-    layout = rope.vision_layout(grids, cfg.vision).arrays() if len(grids) else None
+    layout = rope.vision_layout(grids, cfg.vision).arrays(groups) if len(grids) else None
     return ModelInputs(
         input_ids=jnp.asarray(input_ids, jnp.int32),
         attention_mask=jnp.asarray(attention_mask, jnp.int32),

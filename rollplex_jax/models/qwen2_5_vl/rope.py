@@ -157,8 +157,49 @@ class VisionLayout:
     window_gather: np.ndarray  # [n_windows, S_w] int32 reordered unit indices of each window, padded with U
     frame_gather: np.ndarray  # [n_frames, S_f] int32 reordered unit indices of each frame, padded with U
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        return dataclasses.asdict(self)
+    def arrays(self, groups: int = 1) -> dict[str, np.ndarray]:
+        """What ``vision.vision_forward`` takes: the units split into ``groups`` equal, self-contained groups
+        (``group_layout``; one group when they cannot be)."""
+        return group_layout(self, groups) or group_layout(self, 1)
+
+
+def group_layout(layout: VisionLayout, groups: int) -> dict[str, np.ndarray] | None:
+    """The layout as ``groups`` equal groups of consecutive merge units whose windows, frames and
+    reorderings stay inside the group, with group-local indices: ``window_index`` and ``reverse_index``
+    [groups, U / groups], ``window_gather`` and ``frame_gather`` [groups, segments per group (padded with
+    empty segments), longest] padded with U / groups, and ``rot_pos`` [N, 2] as is. On a mesh the groups
+    are the devices' shares of the patches (``fsdp``): every gather is then within a device. None when
+    the units cannot be split so (U not divisible, or an image or video crossing a group boundary)."""
+    units = len(layout.window_index)
+    if groups < 1 or units % groups:
+        return None
+    size = units // groups
+    own = np.arange(units) // size
+    if np.any(layout.window_index // size != own):  # a reordering leaves its group: an item crosses a boundary
+        return None
+    out = {"window_index": (layout.window_index - own * size).reshape(groups, size).astype(np.int32),
+           "reverse_index": (layout.reverse_index - own * size).reshape(groups, size).astype(np.int32),
+           "rot_pos": layout.rot_pos}
+    for key in ("window_gather", "frame_gather"):
+        g = _group_segments(getattr(layout, key), units, size, groups)
+        if g is None:
+            return None
+        out[key] = g
+    return out
+
+
+def _group_segments(gather: np.ndarray, units: int, size: int, groups: int) -> np.ndarray | None:
+    """[S, L] segment indices (padded with ``units``) -> [groups, C, L] group-local (padded with ``size``)."""
+    valid = gather < units
+    first = gather[:, 0] // size
+    if np.any(valid & (gather // size != first[:, None])):
+        return None
+    count = np.bincount(first, minlength=groups)
+    out = np.full((groups, max(int(count.max()), 1), gather.shape[1]), size, np.int32)
+    for k in range(groups):
+        seg = gather[first == k]
+        out[k, :len(seg)] = np.where(seg < units, seg - k * size, size)
+    return out
 
 
 def vision_layout(grid_thw: np.ndarray, cfg: VisionConfig) -> VisionLayout:

@@ -50,7 +50,7 @@ def decoder_layer(p: dict, layer: int, h: jax.Array, cos, sin, extra: list[KVSou
       (h_out [B, N, T, D], (k, v) of this block [B, N, T, K, d]).
     """
     pre = f"model.layers.{layer}."
-    h = constrain_rows(h)
+    h = constrain_rows(h, (0, 1))
     x = rms_norm(h, p[pre + "input_layernorm.weight"], cfg.rms_norm_eps)
     q, k, v = qkv_projection(p, layer, x, cos, sin, cfg)
     own = KVSource(k, v, self_valid, causal=True)

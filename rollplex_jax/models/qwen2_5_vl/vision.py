@@ -42,22 +42,43 @@ _ACTS = {
 }
 
 
+def _take(x, idx):
+    """Per group: ``x`` [N, ...] split into idx.shape[0] groups of rows, gathered by the group-local
+    ``idx`` [groups, ...] -> [groups, *idx.shape[1:], ...]. A batched gather: on a mesh whose ``fsdp`` splits
+    the rows into the same groups it is local to each device (a gather of a row-split array by global
+    indices comes back replicated, every device holding every row)."""
+    g = idx.shape[0]
+    xg = constrain_rows(x.reshape(g, x.shape[0] // g, *x.shape[1:]))
+    return constrain_rows(jax.vmap(lambda a, i: a[i])(xg, idx))
+
+
 def _attention(p: dict, prefix: str, x, cos, sin, gather, cfg: VisionConfig, prog: ProgramConfig):
-    """Bidirectional attention of x [N, D] within each segment: ``gather`` [S, L] holds each segment's
-    patch indices, padded at the end with values >= N (masked as keys, dropped as outputs)."""
+    """Bidirectional attention of x [N, D] within each segment: ``gather`` [groups, S, L] holds each
+    segment's patch indices local to its group of N / groups rows, padded at the end with N / groups
+    (masked as keys, dropped as outputs)."""
     n = x.shape[0]
+    g, segs, length = gather.shape
+    local = n // g
     qkv = linear(x, p[prefix + "qkv.weight"], p[prefix + "qkv.bias"])
     q, k, v = jnp.moveaxis(qkv.reshape(n, 3, cfg.num_heads, cfg.head_dim), 1, 0)
     c, s = cos[:, None, :], sin[:, None, :]
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
     q = (qf * c + rotate_half(qf) * s).astype(x.dtype)
     k = (kf * c + rotate_half(kf) * s).astype(x.dtype)
-    valid = gather < n
-    idx = jnp.minimum(gather, n - 1)
-    # Segments are the batch axis: q [S, 1, L, h, d] over keys [S, L, h, d] of the same segment.
-    src = KVSource(k[idx], v[idx], valid, right_padded=True)
-    out = attention(q[idx][:, None], [src], impl=prog.attention, block=prog.attention_block)[:, 0]
-    out = jnp.zeros((n, out.shape[-1]), x.dtype).at[jnp.where(valid, gather, n)].set(out, mode="drop")
+    valid = gather < local
+    idx = jnp.minimum(gather, local - 1)
+
+    def segments(a):  # [N, h, d] -> [groups * S, L, h, d]: segments are the batch axis
+        return constrain_rows(_take(a, idx).reshape(g * segs, length, *a.shape[1:]))
+
+    src = KVSource(segments(k), segments(v), constrain_rows(valid.reshape(g * segs, length)), right_padded=True)
+    out = attention(segments(q)[:, None], [src], impl=prog.attention, block=prog.attention_block)[:, 0]
+    # Back to patch order by a gather (each patch is in exactly one segment): its slot among the group's
+    # S x L, found by scattering slot numbers ([N] ints), not by scattering [N, D] values (whose index arrays
+    # XLA broadcasts to [N, D]).
+    slot = jax.vmap(lambda gi, ok: jnp.zeros((local,), jnp.int32).at[jnp.where(ok, gi, local).reshape(-1)].set(
+        jnp.arange(segs * length, dtype=jnp.int32), mode="drop"))(gather, valid)
+    out = _take(out.reshape(g * segs * length, -1), slot).reshape(n, -1)
     return linear(out, p[prefix + "proj.weight"], p[prefix + "proj.bias"])
 
 
@@ -90,20 +111,21 @@ def vision_forward(params: dict, cfg: VisionConfig, pixel_values, layout: dict, 
     w = params["visual.patch_embed.proj.weight"]
     x = linear(pixel_values.astype(w.dtype), w.reshape(w.shape[0], -1))  # Conv3d with stride = kernel
     n, d = x.shape
-    x = x.reshape(n // unit, unit, d)[layout["window_index"]].reshape(n, d)
+    x = _take(x.reshape(n // unit, unit, d), layout["window_index"]).reshape(n, d)
     cos, sin = vision_cos_sin(jnp.asarray(layout["rot_pos"]), cfg)
     full, win = _patch_gather(layout["frame_gather"], unit), _patch_gather(layout["window_gather"], unit)
     for i in range(cfg.depth):
         block = rematerialise(functools.partial(_block, cfg, prog, i), prog.remat)
         x = block(layer_params(params, f"visual.blocks.{i}."), x, cos, sin,
                   full if i in cfg.fullatt_block_indexes else win)
-    return merger(params, cfg, x)[layout["reverse_index"]]
+    merged = merger(params, cfg, x)
+    return _take(merged, layout["reverse_index"]).reshape(merged.shape)
 
 
 def _patch_gather(unit_gather, unit: int):
-    """Merge-unit indices [S, L] -> patch indices [S, L * unit] (padding stays out of range)."""
+    """Merge-unit indices [groups, S, L] -> patch indices [groups, S, L * unit] (padding stays out of range)."""
     g = jnp.asarray(unit_gather)
-    return (g[..., None] * unit + jnp.arange(unit, dtype=g.dtype)).reshape(g.shape[0], -1)
+    return (g[..., None] * unit + jnp.arange(unit, dtype=g.dtype)).reshape(*g.shape[:2], -1)
 
 
 def merger(params: dict, cfg: VisionConfig, x) -> jax.Array:
