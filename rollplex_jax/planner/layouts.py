@@ -52,6 +52,10 @@ Activations (phase-local temporaries of the largest program in a phase), per dev
   Tp + Tr keys per micro-batch, then the prefix vjp over the first mini-batch's prompt rows and the
   boundary-KV cotangents accumulated for them (with ``--actor_prefix=recompute``, the recomputed prefix
   of one micro-batch's prompt rows: its saved activations and backward);
+- with fsdp > 1 the train programs also hold the gathered weights of every layer (``gathered_weights``:
+  XLA issues the backward's all-gathers early; measured in CPU AOT compiles); the prefix vjp
+  holds a text layer's and a vision block's working sets together and a per-layer carry
+  (``activations.backward_carry``), calibrated against ``launch.plan --compile`` at 3B and scale_cpu;
 - update: the clipped gradients (a copy) and the fp32 AdamW temporaries (cast gradients and the
   update) over the optimizer shard: all of it at once (naive), one chunk at a time (rollplex).
 - other: the prompts' inputs (fp32 patches, ids, masks, positions) and the rollouts; naive keeps
@@ -224,11 +228,13 @@ def naive_colocation(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramM
 
 
 def gathered_weights(s: Sizes, mesh: PlanMesh) -> float:
-    """Bytes of FSDP-gathered weights a whole-model program holds beyond its own shard: XLA issues every
+    """Bytes of FSDP-gathered weights the training's backward holds beyond its own shard: XLA issues every
     layer's all-gather ahead of its use, so the compiled program holds the whole tp-shard of the weights at
-    once (measured in CPU AOT compiles of Qwen2.5-VL-3B on 8 devices: the prefix forward's temp grows
-    by one gathered layer, 0.17 GiB, per decoder layer; flat on one device). GPU schedulers may hold
-    fewer (an upper bound there: no GPU measured)."""
+    once. The forwards do not (``layers.rematerialise`` passes each layer's params through an optimization
+    barrier with its input: measured in CPU AOT compiles of Qwen2.5-VL-3B on 8 devices, the prefix
+    forward's temp grew 0.17 GiB per decoder layer without it, 0.006 with it); a remat'd backward
+    recomputes from saved inputs that are there from the start, which the barrier cannot order (its
+    prefix vjp: 29.9 GiB temp either way). GPU schedulers may hold fewer (an upper bound there)."""
     return 0.0 if mesh.fsdp == 1 else s.compute * (mesh.fsdp - 1)
 
 
@@ -279,8 +285,8 @@ def _rollplex_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: Pro
         "one_kv": one_kv,
         "prefix_res": prefix_residual_bytes(m, res_rows, Tp, Tv, pm, tp=tp, weight_shards=mesh.weight_shards,
                                             vision=vision_in_prefix) if residuals else 0.0,
-        "rollout": s.engine_tmp + prefix_fwd_tmp + gathered,
-        "score": suffix_score + gathered if cfg.rl.uses_reference else 0.0,
+        "rollout": s.engine_tmp + prefix_fwd_tmp,
+        "score": suffix_score if cfg.rl.uses_reference else 0.0,
         # the boundary cotangents accumulated over the micro-batches (residual path: its rows' k, v, last)
         "train": recompute_saved + max(suffix_train, prefix_bwd) + (res_rows * kv_row if residuals else 0.0)
         + s.compute + gathered,
@@ -329,7 +335,11 @@ def _assumptions(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         + lengths.source,
         f"devices {mesh.devices}: training fsdp {mesh.fsdp} x tp {mesh.tp} x dp {mesh.dp} (batch over "
         f"{mesh.batch_shards} shards, activations also split over tp: sequence parallelism); rollout "
-        f"{mesh.rollout_replicas} replicas at tp {mesh.rollout_tp}, {s.rows_roll} sequences each",
+        f"{mesh.rollout_replicas} replicas at tp {mesh.rollout_tp}, {s.rows_roll} sequences each"
+        + ("; HYPOTHETICAL: the programs replicate the residual stream over tp (no sequence parallelism)"
+           if mesh.tp > 1 else "")
+        + ("; HYPOTHETICAL: the runtime's training mesh has no data-parallel axis beyond fsdp (dp > 1 is planned, "
+           "not run)" if mesh.dp > 1 else ""),
         "compute weights, gradients and reference weights sharded over fsdp*tp; fp32 master weights and Adam "
         "moments over all devices (distributed optimizer / ZeRO-1)",
         f"micro-batch: {cfg.rl.micro_batch} rows globally -> {s.r_mb} per device (scoring and training run one "

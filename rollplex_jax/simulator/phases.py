@@ -178,6 +178,9 @@ def rollplex_training(s: Setup, n_dev: int, sharing: bool, tm: PlanMesh) -> dict
     suf = text_forward(cfg, rows_s, Tr, Tp, Tr, pm)
     suf = dataclasses.replace(suf, comm_bytes=comm_bytes(cfg, tm, rows_s * Tr, s.text_params, 1))
     pre_bwd = backward_of(pre + (vis if vis_in else Cost()), pm, cfg)
+    # --actor_prefix=recompute: the training recomputes each micro-batch's prefix rows (all prompts once)
+    recompute = _tp_time(s, pre + (vis if vis_in else Cost()), tm.tp, hw.mfu_forward) \
+        if cfg.run.actor_prefix == "recompute" else 0.0
     return {
         "vision": _tp_time(s, vis, tm.tp, hw.mfu_forward),
         "actor_prefix": _tp_time(s, pre, tm.tp, hw.mfu_forward),
@@ -185,7 +188,7 @@ def rollplex_training(s: Setup, n_dev: int, sharing: bool, tm: PlanMesh) -> dict
         "reference": _tp_time(s, suf, tm.tp, hw.mfu_forward) if s.use_ref else 0.0,
         "actor_fwd": _tp_time(s, suf, tm.tp, hw.mfu_forward),
         "actor_bwd": _tp_time(s, backward_of(suf, pm, cfg) + pre_bwd.scale(1.0, ops=0), tm.tp, hw.mfu_backward,
-                              True),
+                              True) + recompute,
     }
 
 

@@ -52,7 +52,15 @@ def rematerialise(fn, remat: str):
         return fn
     if remat not in _REMAT_POLICIES:
         raise ValueError(f"remat {remat!r}: use layer, dots or none")
-    return jax.checkpoint(fn, policy=_REMAT_POLICIES[remat])
+
+    def ordered(p, x, *rest):
+        # The layer's params pass an optimization barrier together with its input, so on a mesh their FSDP
+        # all-gathers (inserted where the matmuls use them) cannot be scheduled before the previous layer is
+        # done: XLA otherwise issues every layer's all-gather early and holds all gathered weights at once.
+        p, x = jax.lax.optimization_barrier((p, x))
+        return fn(p, x, *rest)
+
+    return jax.checkpoint(ordered, policy=_REMAT_POLICIES[remat])
 
 
 def compiler_options(remat: str) -> dict | None:
