@@ -24,7 +24,8 @@ from tests.hf_reference import mm_inputs
 from tests.paths import REPO
 
 GiB = 2**30
-NEW_FLAGFILES = ["qwen2_5_vl_32b_h800x32.flags", "qwen2_5_vl_7b_8dev.flags", "qwen2_5_vl_3b_8dev.flags"]
+NEW_FLAGFILES = ["qwen2_5_vl_32b_h800x32.flags", "qwen2_5_vl_32b_fsdp4_tp8.flags", "qwen2_5_vl_7b_8dev.flags",
+                 "qwen2_5_vl_3b_8dev.flags"]
 MODELS = {"3b": "qwen2_5_vl_3b.json", "7b": "qwen2_5_vl_7b.json", "32b": "qwen2_5_vl_32b.json"}
 
 
