@@ -95,7 +95,7 @@ class Hardware:
     interference: float = 0.15  # fractional slowdown of decode while prefix work runs beside it
     host_step_s: float = 0.5  # host-side work per RL step (rewards, scheduling)
     overlap_window: str = "decode"  # what the prefix overlaps: the decode, or the whole rollout (prefill too)
-    default_programs: str = "flash"  # flash+layer remat (GPU at scale) or dense (today's JAX programs)
+    default_programs: str = "flash"  # flash+layer remat (the defaults) or dense (--attention=dense)
     source: str = ""
     calibration: dict = dataclasses.field(default_factory=dict)
 

@@ -31,7 +31,7 @@ def plan_run(cfg: Config, lengths: planner.Lengths, policy: str) -> planner.Plan
 
 
 def optimizer_policy(cfg: Config, lengths: planner.Lengths, log) -> str:
-    """resident or offload: as configured, or the one the planner says fits --hbm_budget (today's programs,
+    """resident or offload: as configured, or the one the planner says fits --hbm_budget (the run's programs,
     per device of the training mesh); raises ``ConfigError`` naming the smallest budget that fits when none
     does."""
     mem, devices = cfg.memory, cfg.mesh.train_devices

@@ -6,8 +6,9 @@ rollplex; ``launch/plan.py`` prints it, the runtime uses it to pick the optimize
 ``--hbm_budget``. Where each part lives (each module's docstring has its formulas and assumptions):
 
 - ``types``: the inputs and the result: ``Lengths`` (tokens per row), ``ProgramModel`` (attention
-  kernel and remat; ``DENSE_PROGRAMS`` = today's JAX programs, ``DEFAULT_PROGRAMS`` = a GPU run at
-  scale), ``PlanMesh`` (how devices divide into training shards, batch shards and engine replicas),
+  kernel and remat; ``DENSE_PROGRAMS`` = the dense oracle (``--attention=dense --remat=none``),
+  ``DEFAULT_PROGRAMS`` = the defaults; ``ProgramModel.of`` = the run's programs),
+  ``PlanMesh`` (how devices divide into training shards, batch shards and engine replicas),
   ``param_counts``, ``Plan``, ``BudgetError``, ``human_bytes``;
 - ``activations``: saved activations, vjp residuals and working sets of a layer / block / forward;
 - ``layouts``: the two layouts phase by phase (``naive_colocation``, ``rollplex``), the rollout

@@ -7,13 +7,11 @@ program model:
 - ``Lengths``: tokens per row (prompt, its vision tokens, answer), the config's worst case by default.
 - ``ProgramModel``: how the programs use memory. The attention kernel (``dense`` materialises
   [heads, Tq, Tk] scores, ``flash`` is a memory-efficient kernel) and activation checkpointing
-  (``none`` / ``layer``). ``DENSE_PROGRAMS`` (dense, none) are today's JAX programs (the calibrated
-  case); ``DEFAULT_PROGRAMS`` (flash, layer) are what a GPU run at scale needs and what the paper's
-  stack (Megatron-Core with FlashAttention and activation recompute, vLLM) does; every plan lists
-  which it used in its assumptions. To compare a plan with the memory today's programs measure
-  (``rollplex_jax.memory``), pass ``programs=DENSE_PROGRAMS``: at scale they keep every residual (no
-  activation is recomputed) and materialise attention scores, which is why the default plans the
-  programs a GPU run needs.
+  (``none`` / ``layer``). ``DENSE_PROGRAMS`` (dense, none) are the dense oracle programs
+  (``--attention=dense --remat=none``); ``DEFAULT_PROGRAMS`` (flash, layer) are the defaults and what the
+  paper's stack (Megatron-Core with FlashAttention and activation recompute, vLLM) does; every plan lists
+  which it used in its assumptions. ``plan(programs=None)`` (the default) plans the run's own programs
+  (``ProgramModel.of(cfg.programs)``), which is what ``rollplex_jax.memory`` measures.
 - ``PlanMesh``: mesh and sharding (``D`` = devices, ``--plan_devices``, default ``mesh.train_fsdp *
   mesh.train_tp``):
   - data-parallel replicas ``dp = D / (fsdp * tp)``; the batch is split over ``D / tp`` shards (FSDP

@@ -11,8 +11,8 @@ measured ``bw_curve`` one rate for all the bytes of a call, ``Hardware.bytes_rat
   embedding: no input gradient); ``remat='layer'`` adds one forward.
 - E, A: elementwise and attention-score bytes. Flash programs (GPU at scale): per token per layer
   (10 D + 4 F) x dtype bytes (norms, residuals, SwiGLU, rotary), per patch per block (10 dv + 4 Fv) x b
-  + the pixels read (patch_dim x 4 B), A = 0; backward FLASH_EW_BWD x forward. Dense programs (today's
-  JAX programs, the CPU preset): the bytes XLA's cost_analysis() counts, DENSE_* constants below
+  + the pixels read (patch_dim x 4 B), A = 0; backward FLASH_EW_BWD x forward. Dense programs (``--attention=dense
+  --remat=none``, the CPU preset): the bytes XLA's cost_analysis() counts, DENSE_* constants below
   (measured by compiling the real programs; tests/test_simulator.py checks them within 20%).
 - ops: kernels per layer (forward 16, backward 2x), per vision block 16, x micro-batches.
 - comm (training): TP all-reduces 4 (tp-1)/tp x tokens x D x b per layer forward (x2 backward) over
@@ -28,8 +28,8 @@ from rollplex_jax.hardware import Hardware
 from rollplex_jax.planner import PlanMesh, ProgramModel
 
 OPS_PER_LAYER = 16
-# Elementwise bytes of the DENSE program model (today's JAX programs, as XLA compiles them on CPU): the
-# bytes XLA's cost_analysis() counts ("bytes accessed": every fusion's operands and outputs), measured
+# Elementwise bytes of the DENSE program model (the programs with --attention=dense --remat=none, as XLA
+# compiles them on CPU): the bytes XLA's cost_analysis() counts ("bytes accessed": every fusion's operands and outputs), measured
 # 2026-11-30 on the demo model (fp32) by compiling the real programs (prefix_forward, actor._logprobs,
 # their jax.grad, vision_forward) at several shapes and separating the parts that scale with the
 # attention score count from the rest (tokens / patches held fixed):
