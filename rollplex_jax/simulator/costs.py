@@ -29,7 +29,8 @@ from rollplex_jax.planner import PlanMesh, ProgramModel
 
 OPS_PER_LAYER = 16
 # Elementwise bytes of the DENSE program model (the programs with --attention=dense --remat=none, as XLA
-# compiles them on CPU): the bytes XLA's cost_analysis() counts ("bytes accessed": every fusion's operands and outputs), measured
+# compiles them on CPU): the bytes XLA's cost_analysis() counts ("bytes accessed": every fusion's operands
+# and outputs), measured
 # 2026-11-30 on the demo model (fp32) by compiling the real programs (prefix_forward, actor._logprobs,
 # their jax.grad, vision_forward) at several shapes and separating the parts that scale with the
 # attention score count from the rest (tokens / patches held fixed):
