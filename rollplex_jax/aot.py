@@ -72,8 +72,9 @@ CPU_COMBINER = "cpu-all-reduce-combiner"  # disabled in CPU compiles on a mesh (
 
 
 def compile_setup(cfg: Config) -> tuple[Config, dict | None, str]:
-    """(the config to compile, extra XLA options, a note): on CPU a bfloat16 model compiles as float16 with
-    the pass that upcasts 16-bit dots disabled (module doc); elsewhere the config as it is."""
+    """(the config to compile, extra XLA options, a note): on CPU without the all-reduce combiner, and a
+    bfloat16 model as float16 with the pass that upcasts 16-bit dots disabled (module doc); elsewhere the
+    config as it is."""
     if jax.default_backend() != "cpu":
         return cfg, None, f"compiled as {cfg.model.dtype} on {jax.default_backend()}"
     passes = [(compiler_options(cfg.programs.remat) or {}).get("xla_disable_hlo_passes"), CPU_COMBINER]
@@ -86,13 +87,6 @@ def compile_setup(cfg: Config) -> tuple[Config, dict | None, str]:
                     "otherwise upcasts 16-bit matmuls to fp32, which a GPU does not)")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=stand_in))
     return cfg, {"xla_disable_hlo_passes": ",".join(filter(None, passes))}, "; ".join(note)
-
-
-def compile_bytes(fn, *args, **static) -> ProgramBytes:
-    """Lowers and compiles ``fn`` (a jitted program) for abstract ``args``; its per-device bytes."""
-    a = fn.lower(*args, **static).compile().memory_analysis()
-    return ProgramBytes(int(a.temp_size_in_bytes), int(a.argument_size_in_bytes), int(a.output_size_in_bytes),
-                        int(a.alias_size_in_bytes))
 
 
 def device_bytes(tree) -> int:
