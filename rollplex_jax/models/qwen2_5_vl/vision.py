@@ -7,7 +7,7 @@ merger into the language model's width, then the reordering undone.
 
 Attention runs per segment (a window, or a whole frame at full-attention blocks): the
 patches of each segment are gathered into a [segments, longest, ...] block (shorter ones
-padded at the end and masked), attended, and scattered back, so the cost is the sum of squared
+padded at the end and masked), attended, and gathered back, so the cost is the sum of squared
 segment sizes, not the square of all patches of the call (which grows with the square of the batch).
 The segments are the batch axis of one ``models/attention.py`` call: windows (<= 64 patches) fit one
 block and run dense; a frame of thousands of patches runs blockwise, never holding [L, L] scores;
@@ -52,10 +52,11 @@ def _take(x, idx):
     return constrain_rows(jax.vmap(lambda a, i: a[i])(xg, idx))
 
 
-def _attention(p: dict, prefix: str, x, cos, sin, gather, cfg: VisionConfig, prog: ProgramConfig):
-    """Bidirectional attention of x [N, D] within each segment: ``gather`` [groups, S, L] holds each
-    segment's patch indices local to its group of N / groups rows, padded at the end with N / groups
-    (masked as keys, dropped as outputs)."""
+def _attention(p: dict, prefix: str, x, cos, sin, seg, cfg: VisionConfig, prog: ProgramConfig):
+    """Bidirectional attention of x [N, D] within each segment: ``seg`` = (gather, slot) of
+    ``_segments``: gather [groups, S, L] holds each segment's patch indices local to its group of
+    N / groups rows, padded at the end with N / groups (masked as keys, dropped as outputs)."""
+    gather, slot = seg
     n = x.shape[0]
     g, segs, length = gather.shape
     local = n // g
@@ -68,24 +69,19 @@ def _attention(p: dict, prefix: str, x, cos, sin, gather, cfg: VisionConfig, pro
     valid = gather < local
     idx = jnp.minimum(gather, local - 1)
 
-    def segments(a):  # [N, h, d] -> [groups * S, L, h, d]: segments are the batch axis
+    def by_segment(a):  # [N, h, d] -> [groups * S, L, h, d]: segments are the batch axis
         return constrain_rows(_take(a, idx).reshape(g * segs, length, *a.shape[1:]))
 
-    src = KVSource(segments(k), segments(v), constrain_rows(valid.reshape(g * segs, length)), right_padded=True)
-    out = attention(segments(q)[:, None], [src], impl=prog.attention, block=prog.attention_block)[:, 0]
-    # Back to patch order by a gather (each patch is in exactly one segment): its slot among the group's
-    # S x L, found by scattering slot numbers ([N] ints), not by scattering [N, D] values (whose index arrays
-    # XLA broadcasts to [N, D]).
-    slot = jax.vmap(lambda gi, ok: jnp.zeros((local,), jnp.int32).at[jnp.where(ok, gi, local).reshape(-1)].set(
-        jnp.arange(segs * length, dtype=jnp.int32), mode="drop"))(gather, valid)
-    out = _take(out.reshape(g * segs * length, -1), slot).reshape(n, -1)
+    src = KVSource(by_segment(k), by_segment(v), constrain_rows(valid.reshape(g * segs, length)), right_padded=True)
+    out = attention(by_segment(q)[:, None], [src], impl=prog.attention, block=prog.attention_block)[:, 0]
+    out = _take(out.reshape(g * segs * length, -1), slot).reshape(n, -1)  # back to patch order
     return linear(out, p[prefix + "proj.weight"], p[prefix + "proj.bias"])
 
 
-def _block(cfg: VisionConfig, prog: ProgramConfig, i: int, p: dict, x, cos, sin, gather):
+def _block(cfg: VisionConfig, prog: ProgramConfig, i: int, p: dict, x, cos, sin, seg):
     pre = f"visual.blocks.{i}."
     x = constrain_rows(x)
-    x = x + _attention(p, pre + "attn.", rms_norm(x, p[pre + "norm1.weight"], 1e-6), cos, sin, gather, cfg, prog)
+    x = x + _attention(p, pre + "attn.", rms_norm(x, p[pre + "norm1.weight"], 1e-6), cos, sin, seg, cfg, prog)
     h = rms_norm(x, p[pre + "norm2.weight"], 1e-6)
     act = _ACTS[cfg.hidden_act]
     gate = act(linear(h, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.gate_proj.bias"]))
@@ -113,7 +109,7 @@ def vision_forward(params: dict, cfg: VisionConfig, pixel_values, layout: dict, 
     n, d = x.shape
     x = _take(x.reshape(n // unit, unit, d), layout["window_index"]).reshape(n, d)
     cos, sin = vision_cos_sin(jnp.asarray(layout["rot_pos"]), cfg)
-    full, win = _patch_gather(layout["frame_gather"], unit), _patch_gather(layout["window_gather"], unit)
+    full, win = _segments(layout["frame_gather"], unit, n), _segments(layout["window_gather"], unit, n)
     for i in range(cfg.depth):
         block = rematerialise(functools.partial(_block, cfg, prog, i), prog.remat)
         x = block(layer_params(params, f"visual.blocks.{i}."), x, cos, sin,
@@ -122,10 +118,20 @@ def vision_forward(params: dict, cfg: VisionConfig, pixel_values, layout: dict, 
     return _take(merged, layout["reverse_index"]).reshape(merged.shape)
 
 
-def _patch_gather(unit_gather, unit: int):
-    """Merge-unit indices [groups, S, L] -> patch indices [groups, S, L * unit] (padding stays out of range)."""
+def _segments(unit_gather, unit: int, n: int):
+    """(gather, slot) of one segmentation over n patches, computed once for every block: merge-unit indices
+    [groups, S, L] -> patch indices [groups, S, L * unit] (padding stays out of range), and per group each of
+    its n / groups patches' slot among the S x L * unit gathered rows. The attention's output goes back to
+    patch order by gathering those slots (each patch is in exactly one segment), not by scattering [N, D]
+    values (whose index arrays XLA broadcasts to [N, D])."""
     g = jnp.asarray(unit_gather)
-    return (g[..., None] * unit + jnp.arange(unit, dtype=g.dtype)).reshape(*g.shape[:2], -1)
+    gather = (g[..., None] * unit + jnp.arange(unit, dtype=g.dtype)).reshape(*g.shape[:2], -1)
+    local, rows = n // gather.shape[0], gather.shape[1] * gather.shape[2]
+
+    def slots(gi):  # [S, L] -> [local]: the slot numbers scattered to their patches (padding dropped)
+        return jnp.zeros((local,), jnp.int32).at[gi.reshape(-1)].set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
+
+    return gather, jax.vmap(slots)(gather)
 
 
 def merger(params: dict, cfg: VisionConfig, x) -> jax.Array:
