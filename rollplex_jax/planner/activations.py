@@ -161,10 +161,9 @@ def block_temp(m: ModelConfig, n: int, pm: ProgramModel, segment: int | None = N
 
 
 def prefix_residual_bytes(m: ModelConfig, rows: int, prompt_tokens: int, vision_tokens: int,
-                          pm: ProgramModel = DENSE_PROGRAMS, *, tp: int = 1, weight_shards: int = 1,
-                          vision: bool = True) -> float:
+                          pm: ProgramModel = DENSE_PROGRAMS, *, tp: int = 1, vision: bool = True) -> float:
     """Bytes of the actor prefix's vjp residuals on one device: saved activations of ``rows`` prompts
-    (divided by tp); the weights are not among them (``weight_shards`` is kept for callers, unused)."""
+    (divided by tp); the weights are not among them."""
     unit = m.vision.spatial_merge_size**2
     vision = vision and vision_tokens > 0  # no patches: the vision tower does not run
     n = rows * vision_tokens * unit if vision else 0

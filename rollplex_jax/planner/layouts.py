@@ -283,8 +283,8 @@ def _rollplex_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: Pro
     gathered = gathered_weights(s, mesh)
     return {
         "one_kv": one_kv,
-        "prefix_res": prefix_residual_bytes(m, res_rows, Tp, Tv, pm, tp=tp, weight_shards=mesh.weight_shards,
-                                            vision=vision_in_prefix) if residuals else 0.0,
+        "prefix_res": prefix_residual_bytes(m, res_rows, Tp, Tv, pm, tp=tp, vision=vision_in_prefix)
+        if residuals else 0.0,
         "rollout": s.engine_tmp + prefix_fwd_tmp,
         "score": suffix_score if cfg.rl.uses_reference else 0.0,
         # the boundary cotangents accumulated over the micro-batches (residual path: its rows' k, v, last)

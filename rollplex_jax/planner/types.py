@@ -19,8 +19,8 @@ program model:
     parallelism with sequence parallelism: heads, MLP columns and the residual stream are all split).
     HYPOTHETICAL for tp > 1 and dp > 1: the programs that run replicate the residual stream over tp, and
     the runtime's training mesh has no data-parallel axis beyond fsdp; the assumptions say so when they
-    apply (``launch.plan --compile`` compiles the code as it is: at 7B, fsdp 4 x tp 2, planned / compiled
-    0.72-0.78 outside the update);
+    apply (``launch.plan --compile`` compiles the code as it is: at 32B, fsdp 4 x tp 8, planned / compiled
+    0.51-0.65);
   - compute weights (``cfg.model.dtype``), gradients (same dtype as the params) and reference weights
     are sharded over ``fsdp * tp``; the reference is skipped entirely when it is not used
     (``cfg.rl.uses_reference``: no KL in the objective and no ``--log_kl``);
