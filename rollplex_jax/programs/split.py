@@ -114,18 +114,21 @@ def _rows(size: int, p0, *arrays):
     return [jax.lax.dynamic_slice_in_dim(a, p0, size, axis=1 if a.ndim == 5 else 0) for a in arrays]
 
 
-def _suffix_logp(cfg, prog, size, params, k, v, last, mask, next_pos, p0, response_ids, response_mask):
-    k, v, last, mask, next_pos = _rows(size, p0, k, v, last, mask, next_pos)
+def _logp(cfg, prog, params, k, v, last, mask, next_pos, response_ids, response_mask):
+    """(answer log-probs, suffix logits) of [b, n, Tr] answers over their prefix rows' boundary state."""
     logits = suffix_forward(params, cfg, PrefixState(k, v, mask, next_pos), response_ids, response_mask, prog=prog)
     return suffix_logprobs(last, logits, response_ids, response_mask), logits
+
+
+def _suffix_logp(cfg, prog, size, params, k, v, last, mask, next_pos, p0, response_ids, response_mask):
+    k, v, last, mask, next_pos = _rows(size, p0, k, v, last, mask, next_pos)
+    return _logp(cfg, prog, params, k, v, last, mask, next_pos, response_ids, response_mask)[0]
 
 
 def _suffix_loss(cfg: ModelConfig, prog: ProgramConfig, rl: RlConfig, params, k, v, last, mask, next_pos,
                  response_ids, weights, advantages, old_logp, ref_logp):
     """The serial objective (``actor.objective``) on [b, n, Tr] answers over their prefix rows' state."""
-    state = PrefixState(k, v, mask, next_pos)
-    logits = suffix_forward(params, cfg, state, response_ids, weights > 0, prog=prog)
-    logp = suffix_logprobs(last, logits, response_ids, weights > 0)
+    logp, logits = _logp(cfg, prog, params, k, v, last, mask, next_pos, response_ids, weights > 0)
     b, n, t, vsz = logits.shape
     pred = jnp.concatenate([jnp.broadcast_to(last[:, None, None], (b, n, 1, vsz)), logits[:, :, :-1]], axis=2)
     return objective(rl, logp, pred, weights, advantages, old_logp, ref_logp)
@@ -183,7 +186,7 @@ def make_split_programs(cfg: ModelConfig, rl: RlConfig, prog: ProgramConfig = Pr
         vision=jit(lambda params, inputs: encode_vision(params, cfg, inputs, prog=prog)),
         prefix=jit(functools.partial(_prefix, cfg, prog)),
         actor_prefix=ResidualPrefix(cfg, prog),
-        suffix_logp=jit(lambda size, *a: _suffix_logp(cfg, prog, size, *a)[0], static_argnums=0),
+        suffix_logp=jit(lambda size, *a: _suffix_logp(cfg, prog, size, *a), static_argnums=0),
         suffix_grads=jit(functools.partial(_suffix_grads, cfg, prog, rl), static_argnums=0),
         add_cotangent=jax.jit(_add_cotangent, donate_argnums=0),
         prefix_vjp=jit(functools.partial(_prefix_vjp, cfg), static_argnums=0),
