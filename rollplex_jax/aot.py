@@ -252,10 +252,12 @@ def optimizer_state(optimizer, params: dict, A: Abstract):
     return OptState(tuple(chunks), tuple(masters))
 
 
-def _update_phase(ph: _Phases, optimizer, params, opt, grads, live: dict) -> None:
-    """The optimizer's programs: global-norm clip, then one chunk's AdamW (the largest chunk)."""
+def _update_phase(ph: _Phases, optimizer, params, opt, grads, live: dict, offload: bool) -> None:
+    """The optimizer's programs: global-norm clip (its output is the clipped gradients), then one chunk's AdamW
+    (the largest chunk). Offloaded, the optimizer state is on the device only as the chunk that program
+    takes; resident, all of it is live and the chunk is part of it."""
     pb, (clipped, _, ok) = ph.compile(optimizer._clip, grads)
-    ph.add("update", "clip", pb, {"gradients"})
+    ph.add("update", "clip", pb, {"gradients", "clipped"})
     sizes = [device_bytes({k: params[k] for k in g}) for g in optimizer.names]
     i = int(np.argmax(sizes))
     group = optimizer.names[i]
@@ -263,7 +265,8 @@ def _update_phase(ph: _Phases, optimizer, params, opt, grads, live: dict) -> Non
     pb, _ = ph.compile(optimizer._chunk, *args)
     live = dict(live, clipped=device_bytes(clipped))
     ph.live["update"] = live
-    ph.add("update", "update_chunk", pb, set(), partial=device_bytes(args[:4]))
+    ph.add("update", "update_chunk", pb, set(),
+           partial=device_bytes((args[0], args[3]) if offload else args[:4]))
 
 
 def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int = 0) -> Compiled:
@@ -291,7 +294,9 @@ def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int 
         else:
             _serial(ph, cfg, A, progs, lengths, frames, base, {} if offload else resident)
         grads = A.params
-        _update_phase(ph, progs.optimizer, A.params, opt, grads, dict(base, **resident, gradients=device_bytes(grads)))
+        other = ph.live["train"].get("other", 0)  # the step's inputs live until the step ends (after its update)
+        _update_phase(ph, progs.optimizer, A.params, opt, grads,
+                      dict(base, **({} if offload else resident), other=other, gradients=device_bytes(grads)), offload)
     return ph.result()
 
 

@@ -58,15 +58,16 @@ Activations (phase-local temporaries of the largest program in a phase), per dev
   (``activations.backward_carry``), calibrated against ``launch.plan --compile`` at 3B and scale_cpu;
 - update: the clipped gradients (a copy) and the fp32 AdamW temporaries (cast gradients and the
   update) over the optimizer shard: all of it at once (naive), one chunk at a time (rollplex).
-- other: the prompts' inputs (fp32 patches, ids, masks, positions) and the rollouts; naive keeps
-  per-sample inputs (each prompt's patches repeated for its G answers, as the serial schedule's
-  micro-batches are built up front).
+- other: the prompts' inputs (fp32 patches, ids, masks, positions), whole on every device (the host builds
+  them and the programs take them replicated), and the rollouts; naive keeps per-sample inputs (each
+  prompt's patches repeated for its G answers, as the serial schedule's micro-batches are built up front).
 
 Naive colocation vs the paper's "about 165 GiB per GPU" (Qwen2.5-VL-32B, 32 x H800): with
-``configs/qwen2_5_vl_32b_h800x32.flags`` this planner gives about 86 GiB (dense attention with
-per-layer recompute: about 100 GiB). The numbers are not tuned to match; the gap is in assumptions
-the paper does not state: we shard the fp32 master weights and Adam moments over all 32 GPUs
-(distributed optimizer; sharded over the TP group only they are 46.7 GiB instead of 11.7: +35 GiB),
+``configs/qwen2_5_vl_32b_h800x32.flags`` this planner gives about 82 GiB, 25 of them the 256 answers'
+inputs held whole on every device (dense attention with per-layer recompute: about 102 GiB). The numbers
+are not tuned to match; the gap is in assumptions the paper does not state: we shard the fp32 master
+weights and Adam moments over all 32 GPUs (FSDP; sharded over the TP group only they are 46.7 GiB instead
+of 11.7: +35 GiB),
 keep gradients in bf16 (Megatron's fp32 main-grad buffers: +7.8 GiB), count the rollout KV cache of
 exactly the sequences a replica decodes (vLLM reserves a pool of gpu_memory_utilization x HBM),
 train on one sequence per GPU per micro-batch with a memory-efficient attention kernel and per-layer
@@ -160,12 +161,13 @@ def _engine(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel) -> 
     rows_roll = min(math.ceil(cfg.rl.batch_prompts * cfg.rollout.group_size / mesh.rollout_replicas),
                     cfg.rollout.max_batch)
     rollout_kv = rows_roll * (Tp + Tr) * x.num_hidden_layers * 2 * _kv_heads(m, mesh.rollout_tp) * x.head_dim * b
-    decode_tmp = rows_roll * x.vocab_size * 2 * F32 + rows_roll * (3 * x.intermediate_size + 3 * x.hidden_size) \
-        * b / mesh.rollout_tp
+    rtp = mesh.rollout_tp  # the engine's TP splits heads and MLP widths, not the residual stream
+    decode_tmp = (rows_roll * x.vocab_size * 2 * F32
+                  + rows_roll * (3 * x.intermediate_size / rtp + 3 * x.hidden_size) * b)
     chunk = min(pm.prefill_chunk, rows_roll * Tp)  # tokens of one prefill step: chunk / Tp prompts of Tp tokens
-    prefill_tmp = (layer_temp(m, chunk / min(chunk, Tp), min(chunk, Tp), Tp, pm)
+    prefill_tmp = (layer_temp(m, chunk / min(chunk, Tp), min(chunk, Tp), Tp, pm, rtp)
                    + 2 * chunk * x.hidden_size * b
-                   + block_temp(m, patches, pm) + 2 * patches * v.hidden_size * b) / mesh.rollout_tp
+                   + block_temp(m, patches, pm, tp=rtp) + 2 * patches * v.hidden_size * b)
     return rows_roll, rollout_kv, max(decode_tmp, prefill_tmp)
 
 
@@ -181,8 +183,9 @@ def shared_sizes(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
     compute = P * b / mesh.weight_shards
     classification = sharing_classification(cfg)
     rows_roll, rollout_kv, engine_tmp = _engine(cfg, lengths, mesh, pm)
-    # Inputs and rollouts ("other").
-    prompts_dev = math.ceil(B / bs)
+    # Inputs and rollouts ("other"). The host-built inputs (prepare_inputs) are whole on every device: the
+    # programs take them replicated (measured in aot.compiled_memory's arguments).
+    prefix_rows_all = B if cfg.run.prefix_sharing else B * G
     rows_dev = math.ceil(B * G / bs)
     rollouts_b = rows_dev * Tr * 4 * 3
     return Sizes(
@@ -190,8 +193,8 @@ def shared_sizes(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         master=P * F32 / D if m.dtype != "float32" else 0.0, moments=2 * counts.trainable * F32 / D,
         rollout_copy=P * b / mesh.rollout_tp, rebuilt=classification["extra_bytes_per_device"],
         classification=classification, rows_roll=rows_roll, rollout_kv=rollout_kv, engine_tmp=engine_tmp,
-        other_naive=rows_dev * (patches * v.patch_dim * F32 + (Tp + Tr) * 4 * 6) + rollouts_b,
-        other_rollplex=prompts_dev * (patches * v.patch_dim * F32 + Tp * 4 * 6) + rollouts_b,
+        other_naive=B * G * (patches * v.patch_dim * F32 + (Tp + Tr) * 4 * 6) + rollouts_b,
+        other_rollplex=prefix_rows_all * (patches * v.patch_dim * F32 + Tp * 4 * 6) + rollouts_b,
         r_mb=math.ceil(min(cfg.rl.micro_batch, B * G) / bs), logits_row=m.text.vocab_size / mesh.tp)
 
 
@@ -208,12 +211,12 @@ def naive_colocation(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramM
     t_full = lengths.prompt_tokens + Tr
     n_mb = r_mb * patches
     score = (2 * r_mb * t_full * x.hidden_size * b
-             + max(layer_temp(m, r_mb, t_full, t_full, pm),
-                   block_temp(m, n_mb, pm, patches) + 2 * n_mb * v.hidden_size * b)
-             ) / tp + r_mb * s.logits_row * (t_full * (F32 + b) + Tr * 2 * F32)
-    train = (saved_activations(m, r_mb, t_full, t_full, n_mb, pm, per_image=patches)
-             + BWD_FACTOR * max(layer_temp(m, r_mb, t_full, t_full, pm), block_temp(m, n_mb, pm, patches))
-             + one_layer_saved(m, r_mb, t_full, t_full, n_mb, pm)) / tp \
+             + max(layer_temp(m, r_mb, t_full, t_full, pm, tp),
+                   block_temp(m, n_mb, pm, patches, tp) + 2 * n_mb * v.hidden_size * b)
+             ) + r_mb * s.logits_row * (t_full * (F32 + b) + Tr * 2 * F32)
+    train = (saved_activations(m, r_mb, t_full, t_full, n_mb, pm, per_image=patches, tp=tp)
+             + BWD_FACTOR * max(layer_temp(m, r_mb, t_full, t_full, pm, tp), block_temp(m, n_mb, pm, patches, tp))
+             + one_layer_saved(m, r_mb, t_full, t_full, n_mb, pm, tp)) \
         + r_mb * s.logits_row * (t_full * (2 * F32 + b) + Tr * 2 * F32) + grads
     naive = _zeros()
     for p in PHASES:
@@ -263,21 +266,21 @@ def _rollplex_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: Pro
     bwd_rows = res_rows if residuals else mb_rows
     nb = bwd_rows * patches if vision_in_prefix else 0
     prefix_fwd_tmp = (2 * Bp * Tp * x.hidden_size * b
-                      + max(layer_temp(m, Bp, Tp, Tp, pm),
-                            block_temp(m, nv, pm, patches) + 2 * nv * v.hidden_size * b)) / tp
+                      + max(layer_temp(m, Bp, Tp, Tp, pm, tp),
+                            block_temp(m, nv, pm, patches, tp) + 2 * nv * v.hidden_size * b))
     r_s = s.r_mb  # answer rows per micro-batch per device
     # scoring: the fp32 logits and one fp32 temporary per logit (log-softmax fused; measured with aot)
-    suffix_score = (2 * r_s * Tr * x.hidden_size * b + layer_temp(m, r_s, Tr, Tp + Tr, pm)) / tp \
+    suffix_score = (2 * r_s * Tr * x.hidden_size * b + layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)) \
         + r_s * s.logits_row * Tr * 2 * F32
-    suffix_train = (saved_activations(m, r_s, Tr, Tp + Tr, 0, pm)
-                    + BWD_FACTOR * layer_temp(m, r_s, Tr, Tp + Tr, pm)
-                    + one_layer_saved(m, r_s, Tr, Tp + Tr, 0, pm)) / tp \
+    suffix_train = (saved_activations(m, r_s, Tr, Tp + Tr, 0, pm, tp=tp)
+                    + BWD_FACTOR * layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)
+                    + one_layer_saved(m, r_s, Tr, Tp + Tr, 0, pm, tp)) \
         + r_s * s.logits_row * Tr * (2 * F32 + b + 2 * F32)
     # The prefix vjp holds a text layer's backward working set and a vision block's together (measured with
     # aot at scale_cpu: its temp is about the sum of the two, not the larger one).
-    prefix_bwd = (BWD_FACTOR * (layer_temp(m, bwd_rows, Tp, Tp, pm) + block_temp(m, nb, pm, patches))
-                  + one_layer_saved(m, bwd_rows, Tp, Tp, nb, pm) + backward_carry(m, bwd_rows * Tp, nb)) / tp
-    recompute_saved = 0.0 if residuals else saved_activations(m, mb_rows, Tp, Tp, nb, pm, per_image=patches) / tp
+    prefix_bwd = (BWD_FACTOR * (layer_temp(m, bwd_rows, Tp, Tp, pm, tp) + block_temp(m, nb, pm, patches, tp))
+                  + one_layer_saved(m, bwd_rows, Tp, Tp, nb, pm, tp) + backward_carry(m, bwd_rows * Tp, nb, tp))
+    recompute_saved = 0.0 if residuals else saved_activations(m, mb_rows, Tp, Tp, nb, pm, per_image=patches, tp=tp)
     kv_row = x.num_hidden_layers * Tp * 2 * _kv_heads(m, tp) * x.head_dim * b + x.vocab_size * F32
     one_kv = Bp * kv_row
     gathered = gathered_weights(s, mesh)
@@ -334,12 +337,11 @@ def _assumptions(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         f"lengths per row: prompt {Tp} tokens ({Tv} of them vision, {patches} patches), answer {Tr} tokens; "
         + lengths.source,
         f"devices {mesh.devices}: training fsdp {mesh.fsdp} x tp {mesh.tp} x dp {mesh.dp} (batch over "
-        f"{mesh.batch_shards} shards, activations also split over tp: sequence parallelism); rollout "
-        f"{mesh.rollout_replicas} replicas at tp {mesh.rollout_tp}, {s.rows_roll} sequences each"
-        + ("; HYPOTHETICAL: the programs replicate the residual stream over tp (no sequence parallelism)"
-           if mesh.tp > 1 else "")
+        f"{mesh.batch_shards} shards; tp splits attention heads and MLP widths, the residual stream is whole on "
+        f"every device of a tp group); rollout {mesh.rollout_replicas} replicas at tp {mesh.rollout_tp}, "
+        f"{s.rows_roll} sequences each"
         + ("; HYPOTHETICAL: the runtime's training mesh has no data-parallel axis beyond fsdp (dp > 1 is planned, "
-           "not run)" if mesh.dp > 1 else ""),
+           "not run: --plan_devices above --train_fsdp x --train_tp)" if mesh.dp > 1 else ""),
         "compute weights, gradients and reference weights sharded over fsdp*tp; fp32 master weights and Adam "
         "moments over all devices (distributed optimizer / ZeRO-1)",
         f"micro-batch: {cfg.rl.micro_batch} rows globally -> {s.r_mb} per device (scoring and training run one "

@@ -15,12 +15,11 @@ program model:
 - ``PlanMesh``: mesh and sharding (``D`` = devices, ``--plan_devices``, default ``mesh.train_fsdp *
   mesh.train_tp``):
   - data-parallel replicas ``dp = D / (fsdp * tp)``; the batch is split over ``D / tp`` shards (FSDP
-    shards the batch as well as the params); activations are further divided by ``tp`` (tensor
-    parallelism with sequence parallelism: heads, MLP columns and the residual stream are all split).
-    HYPOTHETICAL for tp > 1 and dp > 1: the programs that run replicate the residual stream over tp, and
-    the runtime's training mesh has no data-parallel axis beyond fsdp; the assumptions say so when they
-    apply (``launch.plan --compile`` compiles the code as it is: at 32B, fsdp 4 x tp 8, planned / compiled
-    0.51-0.65);
+    shards the batch as well as the params); tensor parallelism splits the attention heads and MLP widths
+    (and their activations) over ``tp``, the residual stream is whole on every device of a tp group, as
+    the programs lay it out (no sequence parallelism; ``activations.tp_widths``). HYPOTHETICAL for dp > 1
+    (``--plan_devices`` above ``fsdp * tp``): the runtime's training mesh has no data-parallel axis beyond
+    fsdp; the assumptions say so when it applies;
   - compute weights (``cfg.model.dtype``), gradients (same dtype as the params) and reference weights
     are sharded over ``fsdp * tp``; the reference is skipped entirely when it is not used
     (``cfg.rl.uses_reference``: no KL in the objective and no ``--log_kl``);

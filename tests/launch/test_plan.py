@@ -24,7 +24,7 @@ from tests.hf_reference import mm_inputs
 from tests.paths import REPO
 
 GiB = 2**30
-NEW_FLAGFILES = ["qwen2_5_vl_32b_h800x32.flags", "qwen2_5_vl_32b_fsdp4_tp8.flags", "qwen2_5_vl_7b_8dev.flags",
+NEW_FLAGFILES = ["qwen2_5_vl_32b_h800x32.flags", "qwen2_5_vl_7b_8dev.flags",
                  "qwen2_5_vl_3b_8dev.flags"]
 MODELS = {"3b": "qwen2_5_vl_3b.json", "7b": "qwen2_5_vl_7b.json", "32b": "qwen2_5_vl_32b.json"}
 
@@ -129,10 +129,10 @@ def test_32b_flagfile_is_the_paper_setting():
     cfg = _cfg("qwen2_5_vl_32b_h800x32.flags")
     assert cfg.model == ModelConfig.from_json_file(REPO / "configs" / "models" / "qwen2_5_vl_32b.json",
                                                    dtype="bfloat16")
-    assert (cfg.mesh.train_tp, cfg.mesh.train_fsdp, cfg.mesh.rollout_tp) == (8, 1, 4)
+    # the paper's TP8 x DP4: its data-parallel groups are FSDP groups here (the runtime's mesh), 32 devices
+    assert (cfg.mesh.train_tp, cfg.mesh.train_fsdp, cfg.mesh.rollout_tp) == (8, 4, 4)
+    assert cfg.mesh.train_devices == 32 and cfg.run.actor_prefix == "recompute"
     assert cfg.memory.optimizer_policy == "offload"
-    fv = _parse(f"--flagfile={REPO / 'configs' / 'qwen2_5_vl_32b_h800x32.flags'}", plan_flags=True)
-    assert fv.plan_devices == 32
     lengths = planner.Lengths.from_config(cfg)
     assert lengths.vision_tokens >= 2000 and lengths.prompt_tokens > 5 * lengths.response_tokens
 
@@ -159,8 +159,9 @@ def test_cli_32b_plan_fits_80gib_and_beats_naive_colocation():
     ws = out["weight_sharing"]  # issue 7: the per-tensor classification replaced the old rebuilt-bytes assumption
     assert ws["status"] == "classified" and "weight sharing (vllm layout" in r.stdout
     c = ws["classification"]
-    assert (c["layout"], c["train_mesh"], c["rollout_tp"], c["devices"]) == ("vllm", {"fsdp": 1, "tp": 8}, 4, 8)
-    assert ws["rebuilt_bytes_per_device"] == c["extra_bytes_per_device"] <= ws["naive_copy_bytes_per_device"]
+    assert (c["layout"], c["train_mesh"], c["rollout_tp"], c["devices"]) == ("vllm", {"fsdp": 4, "tp": 8}, 4, 32)
+    # at most a second copy of the rollout shard, plus the engine's vocabulary padding rows (all rebuilt here)
+    assert ws["rebuilt_bytes_per_device"] == c["extra_bytes_per_device"] <= ws["naive_copy_bytes_per_device"] * 1.001
     assert rollplex["phases"]["rollout"]["rollout_weights"] == c["extra_bytes_per_device"]
     assert any("per-tensor classification" in a for a in out["assumptions"])
     assert out["smallest_budget"]["bytes"] <= rollplex["peak_bytes"]
@@ -241,8 +242,9 @@ def test_prefix_sharing_reference_and_recompute_switches():
     no_ref = planner.plan(dataclasses.replace(cfg, rl=dataclasses.replace(rl, kl_mode="off")), lengths, devices)
     assert all(no_ref.layouts[lay][p]["ref_weights"] == 0 for lay in planner.LAYOUTS for p in PHASES)
     assert no_ref.layouts["rollplex"]["rollout"]["boundary_kv"] == pytest.approx(base["train"]["boundary_kv"])
-    recompute = planner.plan(dataclasses.replace(cfg, run=dataclasses.replace(run, actor_prefix="recompute")),
+    assert run.actor_prefix == "recompute"  # the flagfile's
+    residuals = planner.plan(dataclasses.replace(cfg, run=dataclasses.replace(run, actor_prefix="residuals")),
                              lengths, devices).layouts["rollplex"]
-    assert recompute["rollout"]["prefix_residuals"] == 0 < base["rollout"]["prefix_residuals"]
+    assert base["rollout"]["prefix_residuals"] == 0 < residuals["rollout"]["prefix_residuals"]
     # recompute keeps no residuals and recomputes one micro-batch's prefix at a time: less memory in train
-    assert sum(recompute["train"].values()) < sum(base["train"].values())
+    assert sum(base["train"].values()) < sum(residuals["train"].values())
