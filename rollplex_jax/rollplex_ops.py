@@ -216,7 +216,7 @@ class RollplexOps:
         if use_res:
             g_prefix = self.sp.prefix_vjp(self.meta, params, self.kept, *ct)
             if self.on_live is not None:  # the fullest point: cotangents, the prefix's gradient, the sum so far
-                self.on_live({"activations": (ct, g_prefix), "gradients": acc})
+                self.on_live({**self.live(), "activations": (ct, g_prefix), "gradients": acc})
             acc = self.accumulate(acc, g_prefix)
         return acc, parts
 

@@ -81,10 +81,11 @@ def _mark(ctx: StepContext, phase: str, params, opt_state, ref_params, ops=None,
                    master_weights=opt_state.master, gradients=grads, **(ops.live() if ops is not None else {}))
 
 
-def _mark_live(ctx: StepContext, params, opt_state, ref_params, ops, held: dict) -> None:
-    """What is live in the middle of a mini-batch's gradient loop (``held``: the loop's own buffers by class)."""
+def _mark_live(ctx: StepContext, params, opt_state, ref_params, held: dict) -> None:
+    """What is live in the middle of a mini-batch's gradient loop (``held``: the ops' ``live()`` and the loop's own
+    buffers, by class)."""
     ctx.meter.mark("train", compute_weights=params, ref_weights=ref_params, optimizer_state=opt_state.chunks,
-                   master_weights=opt_state.master, **ops.live(), **held)
+                   master_weights=opt_state.master, **held)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,10 +247,16 @@ def _train(ctx: StepContext, state: TrainState, ops: Ops, adv, mask, ref_logp, t
     skipped = 0
     for rows in mini_batch_rows(mask.shape[0], n_mini):
         weights = losses.token_weights(mask[rows], cfg.rl.loss_agg)
-        if ctx.meter is not None:  # what is live inside the gradient loop (e.g. the boundary cotangents)
-            ops.on_live = functools.partial(_mark_live, ctx, params, opt_state, state.ref_params, ops)
+        # What is live inside the gradient loop (e.g. the boundary cotangents). The hook must not reference the
+        # ops: ops -> hook -> ops is a cycle that keeps each step's ops (inputs, boundary, answers) and the
+        # step's params alive until Python's cyclic GC runs, i.e. allocated across the next step's decode.
+        ops.on_live = None if ctx.meter is None else functools.partial(_mark_live, ctx, params, opt_state,
+                                                                        state.ref_params)
         with tracer.span("JAX suffix", "actor", step):
-            grads, parts = ops.grads(params, rows, weights, adv, old_logp, ref_logp, version)
+            try:
+                grads, parts = ops.grads(params, rows, weights, adv, old_logp, ref_logp, version)
+            finally:
+                ops.on_live = None
             jax.block_until_ready(grads)
         _mark(ctx, "train", params, opt_state, state.ref_params, ops, grads)
         ops.after_grads()

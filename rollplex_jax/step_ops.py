@@ -31,8 +31,9 @@ from rollplex_jax.trace import Tracer
 class Ops(Protocol):
     """The schedule-specific part of one step (``scheduler._learn`` and ``_train`` call these in order).
 
-    ``on_live``: set by the scheduler when memory is measured; ``grads`` calls it with the buffers its loop
-    holds by class (``{"activations": ..., "gradients": ...}``) at its fullest point, or never."""
+    ``on_live``: set by the scheduler around ``grads`` when memory is measured; ``grads`` calls it with what
+    it holds by class (its ``live()`` and its loop's ``{"activations": ..., "gradients": ...}``) at its fullest
+    point, or never. The hook does not reference the ops (no ops -> hook -> ops cycle: see ``scheduler._train``)."""
 
     on_live: Any
 
