@@ -25,6 +25,8 @@ import math
 
 import numpy as np
 
+from rollplex_jax.data.image_processing import smart_resize
+
 FRAME_FACTOR = 2
 FPS = 2.0
 MIN_FRAMES = 4
@@ -36,9 +38,8 @@ VIDEO_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
 
 @dataclasses.dataclass(frozen=True)
 class VideoRule:
-    """How videos are sampled and sized (``--video_fps``, ``--video_min_pixels``, ``--video_max_pixels``,
-    ``--video_max_frames``, ``--video_total_pixels``); a row's own ``fps`` / ``nframes`` / ``min_frames`` /
-    ``max_frames`` override them (verl's video dict)."""
+    """How videos are sampled and sized (Qwen's defaults; no flag sets them yet: issue 18); a row's own ``fps`` /
+    ``nframes`` / ``min_frames`` / ``max_frames`` override them (verl's video dict)."""
 
     fps: float = FPS
     min_frames: int = MIN_FRAMES
@@ -49,15 +50,13 @@ class VideoRule:
 
     def __post_init__(self):
         if not self.fps > 0:
-            raise ValueError(f"video fps must be > 0, got {self.fps} (--video_fps)")
+            raise ValueError(f"video fps must be > 0, got {self.fps}")
         if not 1 <= self.min_frames <= self.max_frames:
-            raise ValueError(f"need 1 <= min_frames <= max_frames, got {self.min_frames} and {self.max_frames} "
-                             "(--video_max_frames)")
+            raise ValueError(f"need 1 <= min_frames <= max_frames, got {self.min_frames} and {self.max_frames}")
         if not 1 <= self.min_pixels <= self.max_pixels:
-            raise ValueError(f"need 1 <= video min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels} "
-                             "(--video_min_pixels, --video_max_pixels)")
+            raise ValueError(f"need 1 <= video min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
         if self.total_pixels < 1:
-            raise ValueError(f"video total_pixels must be >= 1, got {self.total_pixels} (--video_total_pixels)")
+            raise ValueError(f"video total_pixels must be >= 1, got {self.total_pixels}")
 
 
 def _round2(x: float) -> int:
@@ -146,8 +145,6 @@ def frame_pixel_budget(n: int, rule: VideoRule = VideoRule()) -> int:
 
 def frame_size(height: int, width: int, n: int, rule: VideoRule = VideoRule(), factor: int = 28) -> tuple[int, int]:
     """(height, width) every one of ``n`` sampled frames of a ``height x width`` video is resized to."""
-    from rollplex_jax.data.image_processing import smart_resize
-
     return smart_resize(height, width, factor, rule.min_pixels, max(rule.min_pixels, frame_pixel_budget(n, rule)))
 
 

@@ -185,7 +185,6 @@ def shared_sizes(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
     rows_roll, rollout_kv, engine_tmp = _engine(cfg, lengths, mesh, pm)
     # Inputs and rollouts ("other"). The host-built inputs (prepare_inputs) are whole on every device: the
     # programs take them replicated (measured in aot.compiled_memory's arguments).
-    prefix_rows_all = B if cfg.run.prefix_sharing else B * G
     rows_dev = math.ceil(B * G / bs)
     rollouts_b = rows_dev * Tr * 4 * 3
     return Sizes(
@@ -194,7 +193,7 @@ def shared_sizes(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         rollout_copy=P * b / mesh.rollout_tp, rebuilt=classification["extra_bytes_per_device"],
         classification=classification, rows_roll=rows_roll, rollout_kv=rollout_kv, engine_tmp=engine_tmp,
         other_naive=B * G * (patches * v.patch_dim * F32 + (Tp + Tr) * 4 * 6) + rollouts_b,
-        other_rollplex=prefix_rows_all * (patches * v.patch_dim * F32 + Tp * 4 * 6) + rollouts_b,
+        other_rollplex=prefix_rows_total(cfg) * (patches * v.patch_dim * F32 + Tp * 4 * 6) + rollouts_b,
         r_mb=math.ceil(min(cfg.rl.micro_batch, B * G) / bs), logits_row=m.text.vocab_size / mesh.tp)
 
 
@@ -241,10 +240,15 @@ def gathered_weights(s: Sizes, mesh: PlanMesh) -> float:
     return 0.0 if mesh.fsdp == 1 else s.compute * (mesh.fsdp - 1)
 
 
-def prefix_rows(cfg: Config, mesh: PlanMesh) -> int:
-    """Prefix rows per device: one per prompt with prefix sharing, else one per answer."""
+def prefix_rows_total(cfg: Config) -> int:
+    """Prefix rows of a step: one per prompt with prefix sharing, else one per answer."""
     B, G = cfg.rl.batch_prompts, cfg.rollout.group_size
-    return math.ceil((B if cfg.run.prefix_sharing else B * G) / mesh.batch_shards)
+    return B if cfg.run.prefix_sharing else B * G
+
+
+def prefix_rows(cfg: Config, mesh: PlanMesh) -> int:
+    """Prefix rows per device."""
+    return math.ceil(prefix_rows_total(cfg) / mesh.batch_shards)
 
 
 def _rollplex_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel,

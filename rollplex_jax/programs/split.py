@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from rollplex_jax.config import ModelConfig, ProgramConfig, RlConfig
 from rollplex_jax.mesh import constrain_like_params
-from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
+from rollplex_jax.models.qwen2_5_vl.layers import compiler_options, fsdp_size
 from rollplex_jax.models.qwen2_5_vl.model import (
     ModelInputs,
     PrefixState,
@@ -113,12 +113,6 @@ def _prefix_vjp(cfg, meta, params, kept, gk, gv, glast):
     return constrain_like_params(grads, cfg)
 
 
-def _rows_split() -> bool:
-    """Whether the mesh in context splits boundary rows over an ``fsdp`` axis of more than one device."""
-    m = jax.sharding.get_abstract_mesh()
-    return not m.empty and "fsdp" in m.axis_names and m.shape["fsdp"] > 1
-
-
 def _one_hot(size: int, p0, rows: int, dtype) -> jax.Array:
     """[size, rows]: 1 where column == p0 + row."""
     return (jnp.arange(rows)[None, :] == p0 + jnp.arange(size)[:, None]).astype(dtype)
@@ -126,10 +120,19 @@ def _one_hot(size: int, p0, rows: int, dtype) -> jax.Array:
 
 def _take_rows(a, p0, size: int):
     """Rows [p0, p0 + size) of k or v [L, B, Tp, K, d] (see the module doc)."""
-    if not _rows_split():
+    if fsdp_size() == 1:
         return jax.lax.dynamic_slice_in_dim(a, p0, size, axis=1)
     return jnp.einsum("sb,lbtkd->lstkd", _one_hot(size, p0, a.shape[1], a.dtype), a,
                       precision=jax.lax.Precision.HIGHEST)
+
+
+def _add_rows(a, x, p0):
+    """a [L, B, Tp, K, d] with x [L, size, Tp, K, d] added at rows [p0, p0 + size): ``_take_rows``' transpose."""
+    if fsdp_size() == 1:
+        cur = jax.lax.dynamic_slice_in_dim(a, p0, x.shape[1], axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(a, cur + x, p0, axis=1)
+    return a + jnp.einsum("sb,lstkd->lbtkd", _one_hot(x.shape[1], p0, a.shape[1], a.dtype), x.astype(a.dtype),
+                          precision=jax.lax.Precision.HIGHEST)
 
 
 def _rows(size: int, p0, *arrays):
@@ -171,12 +174,10 @@ def _suffix_grads(cfg, prog, rl, size, params, k, v, last, mask, next_pos, p0, r
 def _add_cotangent(acc, g, p0):
     """acc (gk, gv, glast) over all prefix rows += a micro-batch's cotangents at rows [p0, p0 + size)."""
     def add(a, x):
-        axis = 1 if a.ndim == 5 else 0
-        if axis == 1 and _rows_split():  # scatter by the one-hot's transpose: each device adds at its own rows
-            return a + jnp.einsum("sb,lstkd->lbtkd", _one_hot(x.shape[1], p0, a.shape[1], a.dtype), x.astype(a.dtype),
-                                  precision=jax.lax.Precision.HIGHEST)
-        cur = jax.lax.dynamic_slice_in_dim(a, p0, x.shape[axis], axis=axis)
-        return jax.lax.dynamic_update_slice_in_dim(a, cur + x, p0, axis=axis)
+        if a.ndim == 5:
+            return _add_rows(a, x, p0)
+        cur = jax.lax.dynamic_slice_in_dim(a, p0, x.shape[0], axis=0)
+        return jax.lax.dynamic_update_slice_in_dim(a, cur + x, p0, axis=0)
     return tuple(add(a, x) for a, x in zip(acc, g, strict=True))
 
 

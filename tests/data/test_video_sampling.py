@@ -30,7 +30,7 @@ def test_frame_count_rule_and_errors():
         vs.frame_count(1, 30.0)
     with pytest.raises(ValueError, match="not both"):
         vs.frame_count(300, 30.0, nframes=4, fps=1.0)
-    with pytest.raises(ValueError, match="--video_fps"):
+    with pytest.raises(ValueError, match="fps must be > 0"):
         vs.VideoRule(fps=0)
 
 

@@ -79,6 +79,12 @@ def layer_params(params: dict, prefix: str) -> dict:
     return {k: v for k, v in params.items() if k.startswith(prefix)}
 
 
+def fsdp_size() -> int:
+    """Devices of the ``fsdp`` axis of the mesh in context (``jax.set_mesh``); 1 without one."""
+    m = jax.sharding.get_abstract_mesh()
+    return 1 if m.empty or "fsdp" not in m.axis_names else m.shape["fsdp"]
+
+
 def constrain_rows(x: jax.Array, dims: tuple[int, ...] = (0,)) -> jax.Array:
     """Activation constraint at a block boundary: rows split over the mesh axis ``fsdp`` (data parallel),
     every other dimension replicated (so over ``tp`` the residual stream is whole). The rows are the first
@@ -88,10 +94,7 @@ def constrain_rows(x: jax.Array, dims: tuple[int, ...] = (0,)) -> jax.Array:
 
     A no-op without a mesh in context (``jax.set_mesh``; single-device runs), on a mesh without an
     ``fsdp`` axis > 1, or when ``fsdp`` divides none of ``dims`` (GSPMD then chooses)."""
-    m = jax.sharding.get_abstract_mesh()
-    if m.empty or "fsdp" not in m.axis_names:
-        return x
-    n = m.shape["fsdp"]
+    n = fsdp_size()
     dim = next((d for d in dims if d < x.ndim and x.shape[d] % n == 0), None)
     if n == 1 or dim is None:
         return x
