@@ -176,8 +176,26 @@ _CHOICES = {
     ("programs", "attention"): C.ATTENTIONS, ("programs", "remat"): C.REMATS,
 }
 _HELP = {
-    "dataset": "Training prompts: a JSONL file of {\"images\": [paths relative to the file], \"prompt\", \"answer\"}. "
-               "Empty = write the built-in --synthetic_task into <workdir>/data and use it.",
+    "dataset": "Training prompts: a .jsonl, .json (PATH@KEY for an array inside an object) or .parquet file, or a "
+               "directory of .parquet files (one split), read through --prompt_key/--answer_key/--image_key/"
+               "--video_key. Empty = write the built-in --synthetic_task into <workdir>/data and use it.",
+    "prompt_key": "Column of the prompt: a string with <image>/<video> placeholders, or chat messages "
+                  "[{role, content}] (verl). Without placeholders the media go before the text.",
+    "answer_key": "Column of the ground truth (a string or number); a dotted path such as "
+                  "reward_model.ground_truth reaches into nested columns.",
+    "image_key": "Column of the images: one item or a list; an item is a path, bytes or {bytes, path}.",
+    "video_key": "Column of the videos: a path, a {video: path or [frames], fps/nframes/...} dict, a list of frame "
+                 "image paths (one video), or a list of those.",
+    "image_dir": "Directory relative image and video paths start from (default: the dataset file's directory).",
+    "format_prompt": "Prompt template: a jinja file (the prompt as {{ content }}, other columns by name), or the "
+                     "built-in math or r1v (EasyR1's wording). Empty = the prompt as it is.",
+    "video_fps": "Frames per second sampled from each video (Qwen2.5-VL: 2.0).",
+    "video_min_pixels": "Lower bound on a video frame's pixels after smart_resize (Qwen: 128*28*28).",
+    "video_max_pixels": "Upper bound on a video frame's pixels (Qwen: 768*28*28); the total budget may lower it.",
+    "video_min_frames": "Fewest frames sampled from a video (rounded up to a multiple of 2).",
+    "video_max_frames": "Most frames sampled from a video (Qwen: 768).",
+    "video_total_pixels": "Pixel budget over all of a video's frames: each frame gets at most total/frames*2 "
+                          "(Qwen: 128000*28*28*0.9).",
     "eval_dataset": "Held-out prompts for the greedy evaluation at the end (same format). Empty = a fresh "
                     "synthetic set of --eval_n prompts (other seed) when training on a synthetic task.",
     "synthetic_task": "Built-in visual task used when --dataset is empty.",

@@ -45,13 +45,15 @@ def _choice(section: str, name: str, value, allowed: tuple) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Where prompts come from, and the image/prompt limits applied when loading them.
+    """Where prompts come from, how their rows read, and the image/video/prompt limits applied when loading them.
 
-    ``dataset`` is a JSONL file of rows {"images": [...], "prompt": ..., "answer": ...}; when it
-    is empty, a built-in synthetic task (``synthetic_task``) is written into the workdir in
-    that same format. ``eval_dataset`` (or a fresh synthetic set) feeds the greedy evaluation.
-    Rows are checked at load time from their lines and image headers; pixels are decoded per batch,
-    with ``image_cache_mb`` of preprocessed images kept per dataset (``data/image_cache.py``).
+    ``dataset`` is a .jsonl / .json / .parquet file or a directory of parquet files, read through EasyR1's
+    column names (``prompt_key``, ``answer_key`` (dotted), ``image_key``, ``video_key``, ``image_dir``,
+    ``format_prompt``: ``data/rows.py``); when it is empty, a built-in synthetic task (``synthetic_task``) is
+    written into the workdir as JSONL. ``eval_dataset`` (or a fresh synthetic set) feeds the greedy evaluation.
+    Videos are sampled and sized by Qwen2.5-VL's rules (``video_*``; ``data/video_sampling.py``). Rows are
+    checked at load time from the rows and the media's headers; pixels are decoded per batch, with
+    ``image_cache_mb`` of preprocessed media kept per dataset (``data/image_cache.py``).
     """
 
     dataset: str = ""
@@ -64,6 +66,18 @@ class DataConfig:
     max_pixels: int = 28 * 28 * 1280
     max_prompt_len: int = 2048
     image_cache_mb: int = 1024  # per dataset: preprocessed patches of recently used images (0 = none)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    video_key: str = "videos"
+    image_dir: str = ""
+    format_prompt: str = ""
+    video_fps: float = 2.0
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    video_total_pixels: int = int(128000 * 28 * 28 * 0.9)
 
     def __post_init__(self):
         _require(self.min_pixels > 0, "data.min_pixels", self.min_pixels, "must be > 0")
@@ -76,6 +90,14 @@ class DataConfig:
                  "must be >= 56 px")
         _require(self.eval_n >= 0, "data.eval_n", self.eval_n, "must be >= 0")
         _require(self.image_cache_mb >= 0, "data.image_cache_mb", self.image_cache_mb, "must be >= 0 (0 = no cache)")
+        for key in ("prompt_key", "answer_key", "image_key", "video_key"):
+            _require(bool(getattr(self, key)), f"data.{key}", getattr(self, key), "must name a column")
+        _require(self.video_fps > 0, "data.video_fps", self.video_fps, "must be > 0")
+        _require(0 < self.video_min_pixels <= self.video_max_pixels, "data.video_max_pixels", self.video_max_pixels,
+                 f"must be >= video_min_pixels={self.video_min_pixels} > 0")
+        _require(0 < self.video_min_frames <= self.video_max_frames, "data.video_max_frames", self.video_max_frames,
+                 f"must be >= video_min_frames={self.video_min_frames} > 0")
+        _require(self.video_total_pixels > 0, "data.video_total_pixels", self.video_total_pixels, "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,10 +15,12 @@ import jax.numpy as jnp
 from rollout_torch.hf_engine import HFEngine
 from rollplex_jax import mesh as mesh_lib
 from rollplex_jax import multihost
-from rollplex_jax.config import Config, ConfigError
+from rollplex_jax.config import Config, ConfigError, DataConfig
 from rollplex_jax.data import dataset as data_lib
 from rollplex_jax.data import synthetic
+from rollplex_jax.data.rows import RowFormat
 from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
+from rollplex_jax.data.video_sampling import VideoRule
 from rollplex_jax.memory import MemoryMeter
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
 from rollplex_jax.models.qwen2_5_vl.params import init_params
@@ -71,7 +73,20 @@ def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split
         multihost.barrier(f"data:{split}", procs)  # the others read what process 0 wrote
         path = os.path.join(out, "data.jsonl")
     return data_lib.load_dataset(path, tok, cfg.model.vision, min_pixels=d.min_pixels, max_pixels=d.max_pixels,
-                                 max_prompt_len=d.max_prompt_len, cache_bytes=d.image_cache_mb << 20, log=log)
+                                 max_prompt_len=d.max_prompt_len, cache_bytes=d.image_cache_mb << 20,
+                                 fmt=row_format(d), video_rule=video_rule(d), log=log)
+
+
+def row_format(d: DataConfig) -> RowFormat:
+    """How the dataset's rows read (``--prompt_key`` etc.)."""
+    return RowFormat(prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key, video_key=d.video_key,
+                     image_dir=d.image_dir, format_prompt=d.format_prompt)
+
+
+def video_rule(d: DataConfig) -> VideoRule:
+    """How videos are sampled and sized (``--video_fps`` etc.)."""
+    return VideoRule(fps=d.video_fps, min_frames=d.video_min_frames, max_frames=d.video_max_frames,
+                     min_pixels=d.video_min_pixels, max_pixels=d.video_max_pixels, total_pixels=d.video_total_pixels)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,29 +1,31 @@
-"""Prompt datasets: JSONL rows -> checked row metadata -> examples preprocessed per batch -> ``Prompts``.
+"""Prompt datasets: rows of a dataset file -> checked row metadata -> examples preprocessed per batch -> ``Prompts``.
 
-A dataset is a JSONL file of rows ``{"images": [paths relative to the file], "prompt": str,
-"answer": str}``. Loading reads every line and every image's header, never its pixels, so a bad
-file fails (or is reported) at start and not in the middle of a run, and a 100k-row dataset loads
-in seconds holding a few dozen bytes per row:
+A dataset is a .jsonl / .json / .parquet file or a directory of parquet files (``sources.py``), whose rows are read
+through EasyR1's column flags (``rows.py``: ``--prompt_key``, ``--answer_key`` (dotted), ``--image_key``,
+``--video_key``, ``--image_dir``, ``--format_prompt``; ``<image>`` / ``<video>`` placeholders or chat messages).
+This project's original JSONL rows ``{"images": [paths], "prompt": str, "answer": str}`` are that format with its
+default keys. Loading reads every row and every image's header and every video's container header, never a pixel,
+so a bad file fails (or is reported) at start and not in the middle of a run, and a 100k-row dataset loads in
+seconds holding a few dozen bytes per row:
 
-- a malformed line (bad JSON, not an object, a missing or ill-typed field) raises
-  ``DataError`` naming ``file:line`` and what is wrong;
-- a missing, empty, unidentifiable or oversized image, or a PNG that is truncated or fails its
-  CRCs (``image_processing.probe_image``: header + ``PIL verify``), skips its row with a warning
-  naming ``file:line`` and the image (counted in ``DataReport.bad_image``);
-- an image over ``max_pixels`` is downscaled by ``smart_resize``, as Qwen's processor does
-  (counted in ``resized``), never dropped; its size, hence its grid and the prompt's token count,
-  comes from the header;
-- a rendered prompt longer than ``max_prompt_len`` tokens skips its row with a warning
-  (``too_long``); prompts are never truncated, which could cut a run of image tokens.
+- a malformed row (bad JSON, not an object, a missing prompt or answer column, a placeholder count that does not
+  match the media) raises ``DataError`` naming ``file:row`` and what is wrong;
+- a missing, empty, unidentifiable or oversized image (a path or bytes inside a parquet row), or a PNG that is
+  truncated or fails its CRCs (``image_processing.probe_image``), skips its row with a warning naming the row
+  and the image (``DataReport.bad_image``); an unreadable video, one with no frame or fewer than 2, the same
+  (``bad_video``); an empty answer the same (``empty_answer``);
+- an image over ``max_pixels`` is downscaled by ``smart_resize``, as Qwen's processor does (counted in
+  ``resized``), never dropped; videos are sampled and sized by Qwen's video rules (``video_sampling.py``);
+- a rendered prompt longer than ``max_prompt_len`` tokens skips its row with a warning (``too_long``); prompts
+  are never truncated, which could cut a run of image tokens.
 
-What a ``Dataset`` keeps per kept row: the line's byte offset and CRC, the prompt's token count, the
-merged vision tokens and each image's grid. ``dataset[i]`` re-reads line i and renders its prompt ids;
-an example's ``pixel_values`` are decoded and patchified when a batch reads them (``collate``), through
-a byte-bounded ``PatchCache`` keyed by image path + preprocessing parameters. Pixels the header check
-cannot vouch for (a truncated JPEG: its header is intact) fail there with ``DataError`` naming
-``file:line`` and the image, rather than being skipped: a skip mid-run would change a batch that the
-sampler, every process and a resumed run agree on. A line or image that changed since loading fails
-the same way (the line's CRC; the decoded grid against the header's).
+What a ``Dataset`` keeps per kept row: its index in the source, the prompt's token count, the merged vision
+tokens and each image's and video's grid (and a video's seconds per temporal step). ``dataset[i]`` re-reads row
+i and renders its prompt ids; an example's pixels are decoded and patchified when a batch reads them
+(``collate``), through a byte-bounded ``PatchCache`` keyed by the media + preprocessing parameters. Pixels the
+header check cannot vouch for (a truncated JPEG: its header is intact) fail there with ``DataError`` naming the
+row and the file, rather than being skipped: a skip mid-run would change a batch that the sampler, every
+process and a resumed run agree on. A row or image that changed since loading fails the same way.
 
 ``PromptSampler`` (sampler.py, re-exported here) picks each step's prompts by index.
 """
@@ -35,51 +37,28 @@ import dataclasses
 import functools
 import json
 import os
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from rollplex_contract.batch import Prompts
 from rollplex_jax.config import VisionConfig
+from rollplex_jax.data import rows as rows_lib
 from rollplex_jax.data.image_cache import DEFAULT_CACHE_BYTES, PatchCache
-from rollplex_jax.data.image_processing import (
-    ImageLoadError,
-    check_vision,
-    load_image,
-    num_merged_tokens,
-    preprocess_images,
-    probe_image,
-    smart_resize,
-)
+from rollplex_jax.data.image_processing import ImageLoadError, load_image, num_merged_tokens, preprocess_images
+from rollplex_jax.data.row_check import DataReport, RowChecker, video_name
 from rollplex_jax.data.sampler import PromptSampler
-from rollplex_jax.data.tokenizer import Tokenizer, render_prompt
+from rollplex_jax.data.sources import DataError, jsonl_lines, open_source
+from rollplex_jax.data.tokenizer import Tokenizer, render_messages
+from rollplex_jax.data.video_sampling import VideoRule
 
 __all__ = ["DataError", "DataReport", "Dataset", "Example", "PromptSampler", "collate", "load_dataset", "load_jsonl"]
 
-
-class DataError(ValueError):
-    """A dataset file or row is unusable; the message names the file (and line) and the fix."""
-
-
-def _lines(path: str) -> Iterator[tuple[int, int, bytes]]:
-    """Yields ``(line_number, byte_offset, line)`` for each non-blank line."""
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise DataError(f"dataset file {path!r} does not exist") from None
-    except OSError as e:
-        raise DataError(f"dataset file {path!r} cannot be read: {e}") from None
-    with f:
-        offset = 0
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                yield lineno, offset, line
-            offset += len(line)
+_lines = jsonl_lines  # the oracle of the lazy path (tests/data/eager_reference.py) reads lines as before
 
 
 def _parse_row(where: str, line: bytes) -> dict:
-    """The row of one line, its fields checked; ``DataError`` naming ``where`` otherwise."""
+    """A row of this project's original JSONL format, its fields checked; ``DataError`` naming ``where``."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -103,28 +82,21 @@ def _parse_row(where: str, line: bytes) -> dict:
 
 
 def load_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Reads and validates a dataset JSONL file (blank lines are skipped).
-
-    Raises:
-        DataError: the file is missing, or a line is not a JSON object with a string
-            "prompt", a string "answer" and a list-of-strings "images"; the message has
-            ``file:line``.
-    """
+    """Reads and validates a JSONL file of the original format (blank lines skipped); ``DataError`` names
+    ``file:line``. ``load_dataset`` reads every format; this strict reader is kept for tools and tests."""
     path = os.fspath(path)
-    return [_parse_row(f"{path}:{lineno}", line) for lineno, _, line in _lines(path)]
-
-
-def _image_paths(base: str, row: dict) -> tuple[str, ...]:
-    return tuple(os.path.normpath(os.path.join(base, p)) for p in row["images"])
+    return [_parse_row(f"{path}:{lineno}", line) for lineno, _, line in jsonl_lines(path)]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Example:
     """One prompt, as a batch sees it.
 
-    prompt_ids: int32 [T] (rendered chat prompt, image pads expanded); image_grid_thw: int64 [n_images, 3];
-    ``pixel_values``: float32 [N, patch_dim] patches of the row's images in order, decoded and patchified
-    when read (``load_pixels``: through the dataset's cache, read-only).
+    prompt_ids: int32 [T] (rendered chat prompt, image and video pads expanded); image_grid_thw: int64
+    [n_images, 3]; video_grid_thw: int64 [n_videos, 3]; second_per_grid_ts: float32 [n_videos]; images / videos:
+    their names (paths); extra: the row's other columns (``data_source``, ``extra_info``, ...: reward functions
+    get them). ``image_pixel_values`` / ``video_pixel_values``: float32 [N, patch_dim] patches of the row's images
+    / videos in order, decoded when read (through the dataset's cache, read-only); ``pixel_values`` both.
     """
 
     prompt_ids: np.ndarray
@@ -133,99 +105,128 @@ class Example:
     prompt: str
     images: tuple[str, ...]
     source: str
-    load_pixels: Callable[[], np.ndarray] = dataclasses.field(repr=False)
+    load_pixels: Callable[[str], np.ndarray] = dataclasses.field(repr=False)
+    video_grid_thw: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    second_per_grid_ts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0,), np.float32))
+    videos: tuple[str, ...] = ()
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def image_pixel_values(self) -> np.ndarray:
+        return self.load_pixels("image")
+
+    @property
+    def video_pixel_values(self) -> np.ndarray:
+        return self.load_pixels("video")
 
     @property
     def pixel_values(self) -> np.ndarray:
-        return self.load_pixels()
-
-
-@dataclasses.dataclass(kw_only=True)
-class DataReport:
-    """What loading did: rows read, kept, and skipped or changed per reason.
-
-    ``bad_image`` and ``too_long`` count skipped rows; ``resized`` counts images (not rows)
-    downscaled because they exceeded ``max_pixels``.
-    """
-
-    rows: int = 0
-    kept: int = 0
-    bad_image: int = 0
-    resized: int = 0
-    too_long: int = 0
-
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        parts = [p for p in (self.image_pixel_values, self.video_pixel_values) if len(p)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else self.image_pixel_values
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class _Rows:
-    """What loading keeps of the kept rows (arrays in file order), and how an example is rebuilt from it."""
+    """What loading keeps of the kept rows (arrays in source order), and how an example is rebuilt from it."""
 
-    path: str
-    offset: np.ndarray  # int64: byte offset of the row's line
-    lineno: np.ndarray  # int64
-    crc: np.ndarray  # int64: zlib.crc32 of the line's bytes
+    source: object  # sources.JsonlSource | JsonSource | ParquetSource
+    fmt: rows_lib.RowFormat
+    base: str  # where relative media paths start
+    src: np.ndarray  # int64: the row's index in the source
     prompt_len: np.ndarray  # int32: rendered prompt tokens
-    vision_tokens: np.ndarray  # int32: merged vision tokens of the row's images
+    vision_tokens: np.ndarray  # int32: merged vision tokens of the row's images and videos
     image_start: np.ndarray  # int64 [rows + 1]: row r's images are image_hw[image_start[r]:image_start[r + 1]]
     image_hw: np.ndarray  # int32 [images, 2]: grid (h, w) in patches
+    video_start: np.ndarray  # int64 [rows + 1]
+    video_thw: np.ndarray  # int32 [videos, 3]: grid (t, h, w)
+    video_spgt: np.ndarray  # float32 [videos]: seconds per temporal grid step
     tok: Tokenizer
     vision: VisionConfig
     min_pixels: int
     max_pixels: int
+    video_rule: VideoRule
     cache: PatchCache
 
-    def grids(self, r: int) -> np.ndarray:
+    def grids(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         hw = self.image_hw[self.image_start[r]:self.image_start[r + 1]].astype(np.int64)
-        return np.concatenate([np.ones((len(hw), 1), np.int64), hw], axis=1)
+        images = np.concatenate([np.ones((len(hw), 1), np.int64), hw], axis=1)
+        v = slice(self.video_start[r], self.video_start[r + 1])
+        return images, self.video_thw[v].astype(np.int64).reshape(-1, 3), self.video_spgt[v].astype(np.float32)
 
     def example(self, r: int) -> Example:
-        """Row ``r``'s example: its line re-read (checked against its CRC) and its prompt rendered again."""
-        where = f"{self.path}:{int(self.lineno[r])}"
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(int(self.offset[r]))
-                line = f.readline()
-        except OSError as e:
-            raise DataError(f"{where}: the dataset file cannot be read any more: {e}") from None
-        if zlib.crc32(line) != int(self.crc[r]):
-            raise DataError(f"{where}: the dataset file changed since it was loaded (this line is not the one that "
-                            "was checked); restart the run on the file as it is now")
-        row = json.loads(line)
-        grids = self.grids(r)
-        n_tokens = [num_merged_tokens(g, self.vision.spatial_merge_size) for g in grids]
-        ids = np.asarray(render_prompt(self.tok, row["prompt"], n_tokens), np.int32)
-        if len(ids) != self.prompt_len[r]:  # same line (CRC), same tokenizer: cannot differ
-            raise RuntimeError(f"{where}: prompt of {len(ids)} tokens now, {self.prompt_len[r]} at load time")
-        images = _image_paths(os.path.dirname(os.path.abspath(self.path)), row)
-        return Example(prompt_ids=ids, image_grid_thw=grids, answer=row["answer"], prompt=row["prompt"],
-                       images=images, source=where, load_pixels=functools.partial(self.pixels, images, grids, where))
+        """Row ``r``'s example: its row re-read and its prompt rendered again (checked against load time)."""
+        i = int(self.src[r])
+        where = self.source.where(i)
+        parsed = rows_lib.parse_row(self.source.row(i), self.fmt, where)
+        images, videos, spgt = self.grids(r)
+        m = self.vision.spatial_merge_size
+        ids = np.asarray(render_messages(self.tok, parsed.messages, [num_merged_tokens(g, m) for g in images],
+                                         [num_merged_tokens(g, m) for g in videos]), np.int32)
+        if len(ids) != self.prompt_len[r]:
+            raise DataError(f"{where}: the prompt renders to {len(ids)} tokens now, {self.prompt_len[r]} at load "
+                            "time: the dataset changed since it was loaded; restart the run on it as it is now")
+        img = [rows_lib.image_source(item, self.base, where, k) for k, item in enumerate(parsed.images)]
+        vid = [_video_spec(item, self.base, where) for item in parsed.videos]
+        load = functools.partial(self.pixels, tuple(img), tuple(vid), images, videos, where)
+        return Example(prompt_ids=ids, image_grid_thw=images, video_grid_thw=videos, second_per_grid_ts=spgt,
+                       answer=parsed.answer, prompt=parsed.prompt, images=tuple(n for n, _ in img),
+                       videos=tuple(video_name(v) for v in vid), extra=parsed.extra, source=where, load_pixels=load)
 
-    def pixels(self, images: tuple[str, ...], grids: np.ndarray, where: str) -> np.ndarray:
-        """float32 [N, patch_dim]: the images' patches in order, from the cache or decoded now."""
+    def pixels(self, images, videos, image_grids, video_grids, where: str, kind: str) -> np.ndarray:
+        """float32 [N, patch_dim]: the row's images' (or videos') patches in order, from the cache or decoded now."""
         v = self.vision
-        if not images:
+        items, grids = (images, image_grids) if kind == "image" else (videos, video_grids)
+        if not len(items):
             return np.zeros((0, v.patch_dim), np.float32)
         params = (self.min_pixels, self.max_pixels, v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
-        parts = [self.cache.get((p, *params), functools.partial(self._patches, p, g, where))
-                 for p, g in zip(images, grids, strict=True)]
+        parts = []
+        for k, (item, g) in enumerate(zip(items, grids, strict=True)):
+            if kind == "image":
+                name, data = item
+                key = ("image", data if isinstance(data, str) else (where, k), *params)
+                make = functools.partial(self._image_patches, name, data, g, where)
+            else:
+                key = ("video", item, self.video_rule, *params)
+                make = functools.partial(self._video_patches, item, g, where)
+            parts.append(self.cache.get(key, make))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _patches(self, path: str, grid: np.ndarray, where: str) -> np.ndarray:
+    def _image_patches(self, name: str, data: str | bytes, grid: np.ndarray, where: str) -> np.ndarray:
         try:
-            image = load_image(path)
+            image = load_image(data, name)
         except ImageLoadError as e:
             raise DataError(f"{where}: {e}. Its header passed the checks at load time but its pixels cannot be "
                             "decoded: replace the file and resume (dropping the row changes the dataset, which a "
                             "resumed run refuses)") from None
         patches, got = preprocess_images([image], self.vision, self.min_pixels, self.max_pixels)
         if got[0].tolist() != grid.tolist():
-            raise DataError(f"{where}: image {path!r} decodes to a {got[0][1]}x{got[0][2]}-patch grid but its header "
+            raise DataError(f"{where}: image {name!r} decodes to a {got[0][1]}x{got[0][2]}-patch grid but its header "
                             f"gave {grid[1]}x{grid[2]} at load time: the file changed since the dataset was loaded "
                             "(or its EXIF orientation is stored after the pixel data, where the header check does "
                             "not look); restart the run")
         return patches
+
+    def _video_patches(self, spec, grid: np.ndarray, where: str) -> np.ndarray:
+        from rollplex_jax.data import video_io
+
+        try:
+            plan = video_io.probe_video(spec, self.video_rule, self.vision.patch_size * self.vision.spatial_merge_size)
+            if list(plan.grid_thw) != grid.tolist():
+                raise DataError(f"{where}: video {video_name(spec)!r} now gives grid {list(plan.grid_thw)}, "
+                                f"{grid.tolist()} at load time: the file changed since loading; restart the run")
+            return video_io.load_video(spec, plan, self.vision)
+        except video_io.VideoError as e:
+            raise DataError(f"{where}: {e}. Its header passed the checks at load time but its frames cannot be "
+                            "decoded: replace the file and resume") from None
+
+
+def _video_spec(item, base: str, where: str):
+    from rollplex_jax.data import video_io
+
+    try:
+        return video_io.video_spec(item, base)
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
 
 
 class Dataset(Sequence):
@@ -238,7 +239,7 @@ class Dataset(Sequence):
 
     def __init__(self, rows: _Rows, index: np.ndarray | None = None):
         self._rows = rows
-        self._index = np.arange(len(rows.offset), dtype=np.int64) if index is None else index
+        self._index = np.arange(len(rows.src), dtype=np.int64) if index is None else index
 
     def __len__(self) -> int:
         return len(self._index)
@@ -264,7 +265,7 @@ class Dataset(Sequence):
 
     @property
     def vision_tokens(self) -> np.ndarray:
-        """int32 [len]: each example's merged vision tokens (image-pad tokens)."""
+        """int32 [len]: each example's merged vision tokens (image- and video-pad tokens)."""
         return self._rows.vision_tokens[self._index]
 
     @property
@@ -272,133 +273,90 @@ class Dataset(Sequence):
         return self._rows.cache
 
     def __repr__(self) -> str:
-        return f"Dataset({self._rows.path!r}, {len(self)} examples)"
-
-
-class _RowChecker:
-    """Checks rows at load time, from the line and the images' headers; counts and logs the skipped ones."""
-
-    def __init__(self, path: str, tok: Tokenizer, vision: VisionConfig, min_pixels: int, max_pixels: int,
-                 max_prompt_len: int, log: Callable[[str], None]):
-        self.path, self.base = path, os.path.dirname(os.path.abspath(path))
-        self.tok, self.vision, self.log = tok, vision, log
-        self.min_pixels, self.max_pixels, self.max_prompt_len = min_pixels, max_pixels, max_prompt_len
-        self.report = DataReport()
-        self._probes: dict[str, tuple | str] = {}  # image path -> (size, resized size), or the error
-        self._lengths: dict[tuple, int] = {}  # (prompt, image tokens) -> rendered length
-        self._answers: set[str] = set()
-
-    def _probe(self, path: str) -> tuple | str:
-        if path not in self._probes:
-            factor = check_vision(self.vision)  # RGB input, or a ValueError that stops loading
-            try:
-                h, w = probe_image(path)
-                self._probes[path] = ((h, w), smart_resize(h, w, factor, self.min_pixels, self.max_pixels))
-            except ImageLoadError as e:
-                self._probes[path] = str(e)
-            except ValueError as e:  # smart_resize: extreme aspect ratio
-                self._probes[path] = f"image file {path!r}: {e}"
-        return self._probes[path]
-
-    def _prompt_len(self, where: str, row: dict, n_tokens: list[int]) -> int:
-        key = (row["prompt"], tuple(n_tokens))
-        try:
-            if key not in self._lengths:
-                self._lengths[key] = len(render_prompt(self.tok, row["prompt"], n_tokens))
-            if row["answer"] not in self._answers:
-                self.tok.encode(row["answer"])
-                self._answers.add(row["answer"])
-        except ValueError as e:
-            raise DataError(f"{where}: cannot tokenize this row: {e}") from None
-        return self._lengths[key]
-
-    def check(self, lineno: int, line: bytes) -> tuple[int, list[tuple[int, int]]] | None:
-        """``(prompt length, image grids (h, w))`` of a kept row; None (logged, counted) for a skipped one."""
-        rep = self.report
-        rep.rows += 1
-        where = f"{self.path}:{lineno}"
-        row = _parse_row(where, line)
-        probes = [self._probe(p) for p in _image_paths(self.base, row)]
-        error = next((p for p in probes if isinstance(p, str)), None)
-        if error:
-            rep.bad_image += 1
-            self.log(f"warning: {where}: row skipped, bad image: {error}")
-            return None
-        rep.resized += sum(h * w > self.max_pixels for (h, w), _ in probes)
-        grids = [(h // self.vision.patch_size, w // self.vision.patch_size) for _, (h, w) in probes]
-        n_tokens = [num_merged_tokens((1, *g), self.vision.spatial_merge_size) for g in grids]
-        n = self._prompt_len(where, row, n_tokens)
-        if n > self.max_prompt_len:
-            rep.too_long += 1
-            self.log(f"warning: {where}: row skipped, prompt is {n} tokens (with {sum(n_tokens)} image tokens), "
-                     f"over max_prompt_len={self.max_prompt_len}; raise --max_prompt_len or lower --max_pixels")
-            return None
-        return n, grids
+        return f"Dataset({self._rows.source.path!r}, {len(self)} examples)"
 
 
 def load_dataset(path: str | os.PathLike, tok: Tokenizer, vision: VisionConfig, *, min_pixels: int,
                  max_pixels: int, max_prompt_len: int, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 fmt: rows_lib.RowFormat = rows_lib.RowFormat(), video_rule: VideoRule = VideoRule(),
                  log: Callable[[str], None] = print) -> tuple[Dataset, DataReport]:
-    """Reads and checks every row of a dataset JSONL file and its images' headers; decodes no pixels.
+    """Reads and checks every row of a dataset and its media's headers; decodes no pixels.
 
     Args:
-        path: The JSONL file; image paths are relative to its directory (absolute ones too).
-        tok: Renders prompts (``render_prompt``) and must know every prompt/answer word.
-        vision: Patch, merge and temporal sizes for the image patches.
-        min_pixels: ``smart_resize`` lower bound (``DataConfig.min_pixels``).
-        max_pixels: ``smart_resize`` upper bound; larger images are downscaled.
+        path: A .jsonl / .json (``path@key``) / .parquet file or a directory of parquet files (``sources.py``).
+        tok: Renders prompts (``render_messages``) and must know every prompt/answer word.
+        vision: Patch, merge and temporal sizes for the patches.
+        min_pixels: ``smart_resize`` lower bound for images (``DataConfig.min_pixels``).
+        max_pixels: ``smart_resize`` upper bound for images; larger images are downscaled.
         max_prompt_len: Longest rendered prompt in tokens; longer rows are skipped.
-        cache_bytes: Bound of the dataset's ``PatchCache`` of preprocessed images (``--image_cache_mb``).
+        cache_bytes: Bound of the dataset's ``PatchCache`` of preprocessed media (``--image_cache_mb``).
+        fmt: Column names, media directory and prompt template (``rows.RowFormat``).
+        video_rule: How videos are sampled and sized (``--video_fps`` etc.).
         log: Receives one warning line per skipped row and a one-line summary.
 
     Returns:
-        The kept rows in file order (a ``Dataset``: examples built on access), and the counts.
+        The kept rows in source order (a ``Dataset``: examples built on access), and the counts.
 
     Raises:
-        DataError: a malformed line, a prompt/answer the tokenizer cannot encode, or no row kept.
+        DataError: a malformed row, a prompt/answer the tokenizer cannot encode, or no row kept.
     """
     path = os.fspath(path)
-    checker = _RowChecker(path, tok, vision, min_pixels, max_pixels, max_prompt_len, log)
-    cols = {k: array.array("q") for k in ("offset", "lineno", "crc", "prompt_len", "vision_tokens", "n_images")}
-    image_hw = array.array("i")
-    merge2 = vision.spatial_merge_size ** 2
-    for lineno, offset, line in _lines(path):
-        kept = checker.check(lineno, line)
+    rows_lib.check_format_prompt(fmt.format_prompt)
+    source = open_source(path)
+    base = rows_lib.media_base(path, fmt)
+    checker = RowChecker(tok, vision, min_pixels, max_pixels, max_prompt_len, fmt, base, video_rule, log)
+    cols = {k: array.array("q") for k in ("src", "prompt_len", "vision_tokens", "n_images", "n_videos")}
+    image_hw, video_thw, spgt = array.array("i"), array.array("i"), array.array("f")
+    for i, row in enumerate(_progress(source)):
+        kept = checker.check(source.where(i), row)
         if kept is None:
             continue
-        n, grids = kept
-        for key, value in (("offset", offset), ("lineno", lineno), ("crc", zlib.crc32(line)), ("prompt_len", n),
-                           ("vision_tokens", sum(h * w for h, w in grids) // merge2), ("n_images", len(grids))):
+        n, hw, thw, secs, vision_tokens = kept
+        for key, value in (("src", i), ("prompt_len", n), ("vision_tokens", vision_tokens), ("n_images", len(hw)),
+                           ("n_videos", len(thw))):
             cols[key].append(value)
-        for g in grids:
+        for g in hw:
             image_hw.extend(g)
+        for g in thw:
+            video_thw.extend(g)
+        spgt.extend(secs)
     rep = checker.report
-    rep.kept = len(cols["offset"])
-    log(f"data: {path}: kept {rep.kept} of {rep.rows} rows; skipped {rep.bad_image} with bad images, "
-        f"{rep.too_long} over max_prompt_len={max_prompt_len}; downscaled {rep.resized} images over "
+    rep.kept = len(cols["src"])
+    skipped = rep.skipped_text(max_prompt_len)
+    log(f"data: {path}: kept {rep.kept} of {rep.rows} rows; skipped {skipped}; downscaled {rep.resized} images over "
         f"max_pixels={max_pixels}")
     if not rep.kept:
         if rep.rows == 0:
             raise DataError(f"dataset file {path!r} has no rows")
-        raise DataError(f"no usable rows in {path!r}: all {rep.rows} rows were skipped ({rep.bad_image} with "
-                        f"bad images, {rep.too_long} over max_prompt_len={max_prompt_len}); see the warnings above")
+        raise DataError(f"no usable rows in {path!r}: all {rep.rows} rows were skipped ({skipped}); "
+                        "see the warnings above")
     a = {k: np.frombuffer(v, np.int64).copy() for k, v in cols.items()}
-    rows = _Rows(path=path, offset=a["offset"], lineno=a["lineno"], crc=a["crc"],
-                 prompt_len=a["prompt_len"].astype(np.int32), vision_tokens=a["vision_tokens"].astype(np.int32),
-                 image_start=np.concatenate([[0], np.cumsum(a["n_images"])]).astype(np.int64),
-                 image_hw=np.frombuffer(image_hw, np.int32).reshape(-1, 2).copy(), tok=tok, vision=vision,
-                 min_pixels=min_pixels, max_pixels=max_pixels, cache=PatchCache(cache_bytes))
+    starts = lambda n: np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+    rows = _Rows(source=source, fmt=fmt, base=base, src=a["src"], prompt_len=a["prompt_len"].astype(np.int32),
+                 vision_tokens=a["vision_tokens"].astype(np.int32), image_start=starts(a["n_images"]),
+                 image_hw=np.frombuffer(image_hw, np.int32).reshape(-1, 2).copy(), video_start=starts(a["n_videos"]),
+                 video_thw=np.frombuffer(video_thw, np.int32).reshape(-1, 3).copy(),
+                 video_spgt=np.frombuffer(spgt, np.float32).copy(), tok=tok, vision=vision, min_pixels=min_pixels,
+                 max_pixels=max_pixels, video_rule=video_rule, cache=PatchCache(cache_bytes))
     return Dataset(rows), rep
 
 
+def _progress(source) -> Iterator[dict]:
+    """The source's rows, with a progress bar when there are many (their media headers are read one by one)."""
+    from tqdm.auto import tqdm
+
+    yield from tqdm(source.rows(), total=len(source), desc="checking dataset rows", unit="row",
+                    disable=len(source) < 20_000, leave=False)
+
+
 def collate(examples: Iterable[Example], pad_id: int) -> Prompts:
-    """Left-pads a batch of examples into ``Prompts`` (the rollout and actor input); their images are decoded
-    and patchified here (``Example.pixel_values``, through the dataset's cache).
+    """Left-pads a batch of examples into ``Prompts`` (the rollout and actor input); their media are decoded
+    and patchified here (through the dataset's cache).
 
     Returns:
-        ``Prompts`` with int32 ``input_ids``/``attention_mask`` [B, T_max] (pads on the left,
-        mask 0 there), ``pixel_values`` all images' patches in batch order and
-        ``image_grid_thw`` their rows (both None when the batch has no image), no videos.
+        ``Prompts`` with int32 ``input_ids``/``attention_mask`` [B, T_max] (pads on the left, mask 0 there),
+        ``pixel_values`` every image's patches in batch order then every video's, their grids
+        ``image_grid_thw`` / ``video_grid_thw`` and the videos' ``second_per_grid_ts`` (None without any).
     """
     examples = list(examples)  # a Dataset builds its examples on access: build each once
     if not examples:
@@ -410,9 +368,16 @@ def collate(examples: Iterable[Example], pad_id: int) -> Prompts:
         n = len(e.prompt_ids)
         input_ids[i, t - n:] = e.prompt_ids
         mask[i, t - n:] = 1
-    with_images = [e for e in examples if len(e.image_grid_thw)]
-    pixel_values = grid = None
-    if with_images:
-        pixel_values = np.concatenate([e.pixel_values for e in with_images], axis=0)
-        grid = np.concatenate([e.image_grid_thw for e in with_images], axis=0).astype(np.int64)
-    return Prompts(input_ids=input_ids, attention_mask=mask, pixel_values=pixel_values, image_grid_thw=grid)
+    images = [e for e in examples if len(e.image_grid_thw)]
+    videos = [e for e in examples if len(e.video_grid_thw)]
+    pix = [e.image_pixel_values for e in images] + [e.video_pixel_values for e in videos]
+    cat = lambda xs, dtype: np.concatenate(xs).astype(dtype) if xs else None
+    return Prompts(input_ids=input_ids, attention_mask=mask, pixel_values=cat(pix, np.float32),
+                   image_grid_thw=cat([e.image_grid_thw for e in images], np.int64),
+                   video_grid_thw=cat([e.video_grid_thw for e in videos], np.int64),
+                   **_spgt(cat([e.second_per_grid_ts for e in videos], np.float32)))
+
+
+def _spgt(values: np.ndarray | None) -> dict:
+    """``second_per_grid_ts`` for ``Prompts`` once the contract carries it (issue 18), else nothing."""
+    return {"second_per_grid_ts": values} if "second_per_grid_ts" in Prompts.__dataclass_fields__ else {}

@@ -24,6 +24,7 @@ so its outputs are bit-for-bit equal to it (tests/data/test_image_processing.py)
 
 from __future__ import annotations
 
+import io
 import math
 import os
 
@@ -106,6 +107,18 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def _opened(source: str | os.PathLike | bytes, name: str | None) -> tuple[str, object]:
+    """``(name for messages, what Image.open takes)``: a checked path, or encoded bytes (a parquet image)."""
+    if isinstance(source, (bytes, bytearray)):
+        name = name or "<image bytes>"
+        if not source:
+            raise ImageLoadError(f"image {name!r} is empty (0 bytes); re-encode or drop it")
+        return name, io.BytesIO(source)
+    path = os.fspath(source)
+    _check_file(path)
+    return path, path
+
+
 def _check_file(path: str) -> None:
     if not os.path.exists(path):
         raise ImageLoadError(f"image file {path!r} does not exist; check the dataset's image paths")
@@ -126,7 +139,7 @@ def _load_error(path: str, e: Exception) -> ImageLoadError:
     return ImageLoadError(f"image file {path!r} could not be decoded (truncated or corrupt): {type(e).__name__}: {e}")
 
 
-def load_image(path: str | os.PathLike) -> Image.Image:
+def load_image(path: str | os.PathLike | bytes, name: str | None = None) -> Image.Image:
     """Reads an image file fully into memory as an upright RGB PIL image.
 
     The EXIF orientation is applied (as ``transformers.image_utils.load_image`` does)
@@ -135,7 +148,8 @@ def load_image(path: str | os.PathLike) -> Image.Image:
     True``, PIL itself fills truncated files with gray instead of failing.)
 
     Args:
-        path: Path of a PNG/JPEG/... file.
+        path: Path of a PNG/JPEG/... file, or the encoded bytes of one (named ``name`` in errors).
+        name: What errors call an image given as bytes.
 
     Returns:
         The decoded RGB image.
@@ -144,10 +158,9 @@ def load_image(path: str | os.PathLike) -> Image.Image:
         ImageLoadError: the file is missing, not a regular file, empty, not an image,
             truncated/corrupt, or larger than PIL's decompression-bomb limit.
     """
-    path = os.fspath(path)
-    _check_file(path)
+    path, opened = _opened(path, name)
     try:
-        with Image.open(path) as img:
+        with Image.open(opened) as img:
             img.load()
             upright = ImageOps.exif_transpose(img)
             return to_rgb(upright)
@@ -158,7 +171,7 @@ def load_image(path: str | os.PathLike) -> Image.Image:
 _TRANSPOSING = (5, 6, 7, 8)  # EXIF orientations that exif_transpose turns by 90 degrees (sides swap)
 
 
-def probe_image(path: str | os.PathLike) -> tuple[int, int]:
+def probe_image(path: str | os.PathLike | bytes, name: str | None = None) -> tuple[int, int]:
     """The ``(height, width)`` :func:`load_image` will return, read from the file's header: no pixel is decoded.
 
     Checks what can be checked without decoding: the file exists, is not empty, PIL identifies its
@@ -170,10 +183,9 @@ def probe_image(path: str | os.PathLike) -> tuple[int, int]:
     Raises:
         ImageLoadError: as :func:`load_image`, for what the header and verify reveal.
     """
-    path = os.fspath(path)
-    _check_file(path)
+    path, opened = _opened(path, name)
     try:
-        with Image.open(path) as img:
+        with Image.open(opened) as img:
             width, height = img.size
             # the base class's getexif reads the header's EXIF/XMP; PngImageFile's own would decode the pixels
             orientation = Image.Image.getexif(img).get(ExifTags.Base.Orientation, 1)

@@ -41,6 +41,7 @@ VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 ENDOFTEXT = "<|endoftext|>"
 QWEN_DEFAULT_SYSTEM = "You are a helpful assistant."
+IMAGE, VIDEO = object(), object()  # message parts: the next image / video (``rows.IMAGE`` / ``rows.VIDEO``)
 
 
 class TokenizerError(ValueError):
@@ -264,43 +265,66 @@ _DEFAULT = object()
 
 def render_prompt(tok: Tokenizer, text: str, n_image_tokens: Sequence[int],
                   n_video_tokens: Sequence[int] = (), *, system: str | None = _DEFAULT) -> list[int]:  # type: ignore[assignment]
-    """Prompt ids for one user turn (vision blocks, then ``text``) plus the generation prompt.
-
-    Args:
-        tok: The tokenizer.
-        text: The user's text; it may not contain chat or vision special tokens.
-        n_image_tokens: Image-pad count of each image, in order (``num_merged_tokens``).
-        n_video_tokens: Video-pad count of each video; video blocks follow the image blocks.
-        system: System message; default ``tok.default_system`` (Qwen's "You are a helpful
-            assistant." for ``HFTokenizer``, none for ``TinyTokenizer``); None = no system turn.
-
-    Returns:
-        The ids, ending with ``<|im_start|>assistant\\n`` so generation starts the answer.
+    """Prompt ids for one user turn (vision blocks, images then videos, then ``text``) plus the generation prompt:
+    ``render_messages`` of ``[("user", [IMAGE]*n + [VIDEO]*m + [text])]`` (the layout of the module docstring).
 
     Raises:
-        ValueError: a count is < 1, or ``text`` contains chat/vision special tokens (they
-            would desynchronise image pads and image features).
+        ValueError: a count is < 1, or ``text`` contains chat/vision special tokens.
     """
-    for kind, counts in (("image", n_image_tokens), ("video", n_video_tokens)):
-        for n in counts:
-            if int(n) < 1:
-                raise ValueError(f"each {kind} needs >= 1 {kind}-pad token, got counts {list(counts)}")
+    parts = [IMAGE] * len(n_image_tokens) + [VIDEO] * len(n_video_tokens) + [text]
+    return render_messages(tok, [("user", parts)], n_image_tokens, n_video_tokens, system=system)
+
+
+def _check_text(tok: Tokenizer, text: str) -> None:
     reserved = {tok.image_pad_id, tok.video_pad_id, tok.vision_start_id, tok.vision_end_id,
                 tok.im_start_id, tok.eos_id}
     found = sorted(reserved.intersection(tok.encode(text)))
     if found:
         raise ValueError(f"prompt text {text!r} contains special tokens {tok.decode(found)!r}; remove them "
                          "(image/video placeholders are inserted from the images, not from the text)")
+
+
+def render_messages(tok: Tokenizer, messages: Sequence[tuple[str, Sequence]], n_image_tokens: Sequence[int],
+                    n_video_tokens: Sequence[int] = (), *, system: str | None = _DEFAULT) -> list[int]:  # type: ignore[assignment]
+    """Prompt ids of chat ``messages`` as Qwen2.5-VL's chat template lays them out, plus the generation prompt.
+
+    Args:
+        tok: The tokenizer.
+        messages: ``(role, parts)`` in order; a part is text, ``IMAGE`` or ``VIDEO`` (the next image / video, whose
+            pad count is the next of ``n_image_tokens`` / ``n_video_tokens``).
+        n_image_tokens: Image-pad count of each image, in order (``num_merged_tokens``).
+        n_video_tokens: Video-pad count of each video, in order.
+        system: System message when the first message is not one; default ``tok.default_system``; None = none.
+
+    Raises:
+        ValueError: a count is < 1, the parts use more or fewer images/videos than counted, or a text contains
+            chat/vision special tokens.
+    """
+    counts = {IMAGE: list(n_image_tokens), VIDEO: list(n_video_tokens)}
+    for kind, name in ((IMAGE, "image"), (VIDEO, "video")):
+        if any(int(n) < 1 for n in counts[kind]):
+            raise ValueError(f"each {name} needs >= 1 {name}-pad token, got counts {counts[kind]}")
+        used = sum(p is kind for _, parts in messages for p in parts)
+        if used != len(counts[kind]):
+            raise ValueError(f"the messages hold {used} {name}(s) but {len(counts[kind])} {name} token counts "
+                             "were given")
     if system is _DEFAULT:
         system = tok.default_system
     pieces: list[int | str] = []
-    if system is not None:
+    if system is not None and (not messages or messages[0][0] != "system"):
         pieces += [tok.im_start_id, "system\n" + system, tok.eos_id, "\n"]
-    pieces += [tok.im_start_id, "user\n"]
-    for pad, counts in ((tok.image_pad_id, n_image_tokens), (tok.video_pad_id, n_video_tokens)):
-        for n in counts:
-            pieces += [tok.vision_start_id, *([pad] * int(n)), tok.vision_end_id]
-    pieces += [text, tok.eos_id, "\n", tok.im_start_id, "assistant\n"]
+    left = {kind: iter(c) for kind, c in counts.items()}
+    for role, parts in messages:
+        pieces += [tok.im_start_id, f"{role}\n"]
+        for p in parts:
+            if p is IMAGE or p is VIDEO:
+                pad = tok.image_pad_id if p is IMAGE else tok.video_pad_id
+                pieces += [tok.vision_start_id, *([pad] * int(next(left[p]))), tok.vision_end_id]
+            else:
+                _check_text(tok, p)
+                pieces.append(p)
+        pieces += [tok.eos_id, "\n"]
+    pieces += [tok.im_start_id, "assistant\n"]
     return _encode_pieces(tok, pieces)
 
 
