@@ -167,18 +167,29 @@ def _place_media(messages: list[tuple[str, list]], n_images: int, n_videos: int,
                             "media then go before the text)")
 
 
-@functools.lru_cache(maxsize=16)
 def _template(spec: str):
+    """The compiled template of ``--format_prompt`` (a built-in name or a file, re-read when the file changes)."""
+    if spec in BUILTIN_FORMATS:
+        return _compiled(spec, BUILTIN_FORMATS[spec])
+    try:
+        st = os.stat(spec)
+        return _file_template(spec, st.st_mtime_ns, st.st_size)
+    except OSError as e:
+        raise DataError(f"--format_prompt={spec!r} is neither a built-in ({', '.join(BUILTIN_FORMATS)}) nor a "
+                        f"readable jinja file: {e}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _file_template(path: str, mtime_ns: int, size: int):
+    del mtime_ns, size  # the cache key: a changed file is read again
+    with open(path, encoding="utf-8") as f:
+        return _compiled(path, f.read())
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(spec: str, text: str):
     import jinja2
 
-    text = BUILTIN_FORMATS.get(spec)
-    if text is None:
-        try:
-            with open(spec, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise DataError(f"--format_prompt={spec!r} is neither a built-in ({', '.join(BUILTIN_FORMATS)}) nor a "
-                            f"readable jinja file: {e}") from None
     try:
         return jinja2.Environment(keep_trailing_newline=False).from_string(text)
     except jinja2.TemplateError as e:

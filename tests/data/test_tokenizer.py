@@ -198,3 +198,32 @@ def test_hf_tokenizer_without_qwen_tokens(tmp_path):
     assert os.path.isfile(tmp_path / "tokenizer.json")
     with pytest.raises(TokenizerError, match="vision_start"):
         HFTokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": [{"type": "text", "text": "what colour "}, {"type": "image"},
+                                  {"type": "text", "text": " is the square?"}, {"type": "video"}]}],
+    [{"role": "system", "content": "red green"},
+     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many squares?"}]},
+     {"role": "assistant", "content": "blue"},
+     {"role": "user", "content": [{"type": "text", "text": "what colour?"}, {"type": "image"}]}],
+])
+def test_render_messages_hf_matches_qwen_chat_template(hf_dir, messages):
+    """render_messages == Qwen's chat template on the same messages (system turn given or defaulted, media in
+    place, several turns), pads expanded as the processor does."""
+    from rollplex_jax.data.tokenizer import IMAGE, VIDEO, render_messages
+
+    tok = HFTokenizer(hf_dir)
+    rendered = tok.hf.apply_chat_template(messages, chat_template=QWEN_CHAT_TEMPLATE, tokenize=False,
+                                          add_generation_prompt=True)
+    n_images = [2 + i for i in range(rendered.count("<|image_pad|>"))]
+    n_videos = [3] * rendered.count("<|video_pad|>")
+    for pad, counts in (("<|image_pad|>", n_images), ("<|video_pad|>", n_videos)):
+        parts = rendered.split(pad)
+        rendered = parts[0] + "".join(pad * n + rest for n, rest in zip(counts, parts[1:], strict=True))
+    as_parts = lambda c: [c] if isinstance(c, str) else [
+        IMAGE if p["type"] == "image" else VIDEO if p["type"] == "video" else p["text"] for p in c]
+    ours = render_messages(tok, [(m["role"], as_parts(m["content"])) for m in messages], n_images, n_videos)
+    assert ours == tok.hf.encode(rendered, add_special_tokens=False)
+    with pytest.raises(ValueError, match="hold 1 image"):
+        render_messages(tok, [("user", [IMAGE, "x"])], [2, 2])
