@@ -198,9 +198,12 @@ _HELP = {
                           "(Qwen: 128000*28*28*0.9).",
     "eval_dataset": "Held-out prompts for the greedy evaluation at the end (same format). Empty = a fresh "
                     "synthetic set of --eval_n prompts (other seed) when training on a synthetic task.",
-    "synthetic_task": "Built-in visual task used when --dataset is empty.",
+    "synthetic_task": "Built-in task used when --dataset is empty: colour, quadrant, count (images) or video_count "
+                      "(mp4 clips: how many times a square appears).",
     "synthetic_n": "Number of synthetic training prompts to write.",
-    "synthetic_image_size": "Side in px of the synthetic images (56 = 2x2 vision tokens; 112 = 4x4).",
+    "synthetic_image_size": "Side in px of the synthetic images or video frames (56 = 2x2 vision tokens; 112 = 4x4).",
+    "synthetic_video_frames": "video_count: frames per clip at 2 fps (even, >= 8; every 2 frames are one temporal "
+                              "step of the vision tower).",
     "eval_n": "Number of held-out prompts for the final greedy evaluation (0 = skip).",
     "image_cache_mb": "MiB of preprocessed image patches each dataset keeps (least recently used dropped first); "
                       "images are decoded when a batch needs them. 0 = decode every time.",

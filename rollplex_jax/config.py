@@ -34,7 +34,7 @@ KL_MODES = ("loss", "reward", "off")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 REWARD_FAILURES = ("zero", "raise")
 LR_SCHEDULES = ("constant", "cosine")
-SYNTHETIC_TASKS = ("colour", "quadrant", "count")
+SYNTHETIC_TASKS = ("colour", "quadrant", "count", "video_count")
 ATTENTIONS = ("blockwise", "dense", "cudnn")
 REMATS = ("layer", "none", "dots")
 
@@ -61,6 +61,7 @@ class DataConfig:
     synthetic_task: str = "colour"
     synthetic_n: int = 2048
     synthetic_image_size: int = 56
+    synthetic_video_frames: int = 8  # video_count: frames per clip (at 2 fps)
     eval_n: int = 256
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
@@ -88,6 +89,8 @@ class DataConfig:
         _require(self.synthetic_n > 0, "data.synthetic_n", self.synthetic_n, "must be > 0")
         _require(self.synthetic_image_size >= 56, "data.synthetic_image_size", self.synthetic_image_size,
                  "must be >= 56 px")
+        _require(self.synthetic_video_frames >= 8 and self.synthetic_video_frames % 2 == 0,
+                 "data.synthetic_video_frames", self.synthetic_video_frames, "must be even and >= 8")
         _require(self.eval_n >= 0, "data.eval_n", self.eval_n, "must be >= 0")
         _require(self.image_cache_mb >= 0, "data.image_cache_mb", self.image_cache_mb, "must be >= 0 (0 = no cache)")
         for key in ("prompt_key", "answer_key", "image_key", "video_key"):

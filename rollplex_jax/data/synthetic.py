@@ -23,7 +23,10 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
-TASKS = ("colour", "quadrant", "count")
+from rollplex_jax.data import synthetic_video
+
+TASKS = ("colour", "quadrant", "count", "video_count")  # video_count: synthetic_video.py (mp4 clips)
+IMAGE_TASKS = TASKS[:3]
 PROMPTS = {"colour": "what colour?", "quadrant": "which quadrant?", "count": "how many squares?"}
 ANSWERS = {
     "colour": ("red", "green", "blue", "yellow"),
@@ -104,7 +107,9 @@ def make_example(task: str, rng: np.random.Generator, image_size: int = 56) -> t
     Returns:
         ``(image, prompt, answer)``: an RGB PIL image, the task's fixed prompt text, the answer.
     """
-    _check_task(task)
+    if task not in IMAGE_TASKS:
+        raise ValueError(f"task={task!r} is not an image task ({', '.join(IMAGE_TASKS)}); video_count clips come "
+                         "from synthetic_video.make_clip")
     if image_size < 28:
         raise ValueError(f"image_size={image_size} is too small: use >= 28 (56 is the demo's size)")
     image = Image.new("RGB", (image_size, image_size), BACKGROUND)
@@ -112,8 +117,10 @@ def make_example(task: str, rng: np.random.Generator, image_size: int = 56) -> t
     return image, PROMPTS[task], answer
 
 
-def write_dataset(task: str, n: int, out_dir: str | os.PathLike, seed: int, image_size: int = 56) -> str:
-    """Writes ``n`` examples as PNGs plus a JSONL index that ``dataset.load_dataset`` reads.
+def write_dataset(task: str, n: int, out_dir: str | os.PathLike, seed: int, image_size: int = 56,
+                  video_frames: int = 8) -> str:
+    """Writes ``n`` examples as PNGs (or, for ``video_count``, mp4 clips of ``video_frames`` frames:
+    ``synthetic_video.write_video_dataset``) plus a JSONL index that ``dataset.load_dataset`` reads.
 
     Layout: ``out_dir/images/000000.png, ...`` and ``out_dir/data.jsonl`` with rows
     ``{"images": ["images/000000.png"], "prompt": ..., "answer": ...}`` (paths relative to
@@ -123,6 +130,8 @@ def write_dataset(task: str, n: int, out_dir: str | os.PathLike, seed: int, imag
         The path of ``data.jsonl``.
     """
     _check_task(task)
+    if task == "video_count":
+        return synthetic_video.write_video_dataset(n, out_dir, seed, size=image_size, frames=video_frames)
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
     out_dir = os.fspath(out_dir)

@@ -1,0 +1,83 @@
+"""A synthetic video task for the tiny demo family, written as mp4 files (PyAV, h264) plus a JSONL index.
+
+``video_count``: "how many squares?" over a short clip. The clip has ``frames`` frames at ``fps`` (default 8
+frames at 2 fps: 4 s, which Qwen's sampling at 2 fps keeps whole: 4 temporal steps of 2 frames). In k of its
+temporal steps (k uniform in 1-4) one white square (side 8-14 px at 56 px) shows, at its own random place, on
+both frames of the step; the other steps are empty. Every frame holds at most one square, so no single frame
+answers the question: the count is only in the sequence. Answers are drawn uniformly (a constant answer scores
+1/4) and are one ``TinyTokenizer`` word.
+
+The video is encoded as h264 in yuv420p (what users' mp4s are); white on dark grey survives the chroma
+subsampling and the quantisation (``crf`` 0-ish quality, checked by the tests: a decoded frame's square is where
+it was drawn). Everything is a function of the numpy ``Generator``, so a seed fixes the dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+BACKGROUND = 40
+WHITE = 240
+PROMPT = "how many squares?"
+ANSWERS = ("1", "2", "3", "4")
+
+
+def make_clip(rng: np.random.Generator, size: int = 56, frames: int = 8) -> tuple[np.ndarray, str]:
+    """``(frames uint8 [F, size, size, 3], answer)`` of one ``video_count`` example (module docstring)."""
+    steps = frames // 2
+    if frames % 2 or steps < 4:
+        raise ValueError(f"video_count needs an even frame count >= 8 (4 temporal steps of 2 frames), got {frames}")
+    k = int(rng.integers(1, 5))
+    shown = np.sort(rng.choice(steps, size=k, replace=False))
+    clip = np.full((frames, size, size, 3), BACKGROUND, np.uint8)
+    lo, hi = max(2, round(8 * size / 56)), max(3, round(14 * size / 56))
+    for step in shown:
+        side = int(rng.integers(lo, hi + 1))
+        x, y = (int(v) for v in rng.integers(0, size - side + 1, size=2))
+        clip[2 * step:2 * step + 2, y:y + side, x:x + side] = WHITE
+    return clip, ANSWERS[k - 1]
+
+
+def write_mp4(path: str, clip: np.ndarray, fps: int = 2) -> None:
+    """Encodes ``clip`` (uint8 [F, H, W, 3], even H and W) as an h264 mp4 at ``fps``."""
+    import av
+
+    with av.open(path, mode="w") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height = clip.shape[2], clip.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "1", "preset": "ultrafast"}
+        for frame in clip:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode())
+
+
+def write_video_dataset(n: int, out_dir: str | os.PathLike, seed: int, size: int = 56, frames: int = 8,
+                        fps: int = 2) -> str:
+    """Writes ``n`` clips as ``out_dir/videos/000000.mp4, ...`` and ``out_dir/data.jsonl`` rows
+    ``{"videos": ["videos/000000.mp4"], "prompt": "how many squares?", "answer": "3"}`` (paths relative to the
+    JSONL file; no placeholder, so the video goes before the text). Same arguments -> same files. Returns the
+    JSONL's path."""
+    if n < 1:
+        raise ValueError(f"n={n} must be >= 1")
+    if size % 2:
+        raise ValueError(f"size={size} must be even (h264 in yuv420p)")
+    out_dir = os.fspath(out_dir)
+    os.makedirs(os.path.join(out_dir, "videos"), exist_ok=True)
+    rng = np.random.default_rng(seed)
+    width = max(6, len(str(n - 1)))
+    rows = []
+    for i in range(n):
+        clip, answer = make_clip(rng, size, frames)
+        rel = f"videos/{i:0{width}d}.mp4"
+        write_mp4(os.path.join(out_dir, rel), clip, fps)
+        rows.append(json.dumps({"videos": [rel], "prompt": PROMPT, "answer": answer}))
+    path = os.path.join(out_dir, "data.jsonl")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(rows) + "\n")
+    os.replace(tmp, path)
+    return path
