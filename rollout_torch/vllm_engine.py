@@ -44,6 +44,14 @@ Qwen2.5-VL image processor needs torchvision, which has no CPU build on these ma
 video patches are encoded by vLLM's own vision tower (bound to the actor's ``visual.*`` weights)
 and handed to vLLM as ``image_embeds``/``video_embeds`` with their grids (vLLM accepts no
 pre-processed pixel patches); each run of pad tokens is collapsed to one, which vLLM re-expands.
+Videos also carry ``second_per_grid_ts`` (float32, one per video), which vLLM 0.32's Qwen2.5-VL processor
+takes from the embedding dict (passthrough data; ``second_per_grid_ts`` is in its fields config, batched per
+video) for its M-RoPE time positions. Not run here. Known differences from the trainer's positions
+(transformers 5.24's ``get_rope_index``), read from vLLM 0.32's ``get_mrope_input_positions``: vLLM starts
+the text after a vision block at max(position) + 1 (Qwen's original rule), transformers 5 at
+``start + max(h, w) / merge``; they differ for every video whose temporal extent (t - 1) x
+tokens_per_second x second_per_grid_t reaches max(h, w) / merge; and vLLM multiplies the temporal index in
+float64, transformers in float32 (a position off by one at some steps for fractional intervals).
 On a GPU, JAX preallocates most of the memory by default: give vLLM room
 (``XLA_PYTHON_CLIENT_MEM_FRACTION`` / ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, ``gpu_memory_utilization``).
 """
@@ -364,6 +372,7 @@ class VLLMEngine:
         parts = list(torch.split(embeds, (np.prod(grids, axis=-1) // merge).tolist()))
         items = {"image": (parts[:len(img)], img, info.image_token_id),
                  "video": (parts[len(img):], vid, info.video_token_id)}
+        secs = None if prompts.second_per_grid_ts is None else np.asarray(prompts.second_per_grid_ts, np.float32)
         used = {k: 0 for k in items}
         requests = []
         for row in rows:
@@ -374,6 +383,8 @@ class VLLMEngine:
                     a = used[kind]
                     data[kind] = {f"{kind}_embeds": torch.cat(embs[a:a + count]),
                                   f"{kind}_grid_thw": torch.as_tensor(grid[a:a + count])}
+                    if kind == "video" and secs is not None:  # one per video: vLLM's M-RoPE time scale
+                        data[kind]["second_per_grid_ts"] = torch.from_numpy(secs[a:a + count])
                     used[kind] += count
                 row = collapse_runs(row, tok)
             requests.append({"prompt_token_ids": row, "multi_modal_data": data} if data else {"prompt_token_ids": row})

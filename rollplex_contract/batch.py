@@ -49,7 +49,9 @@ class Prompts:
     """B left-padded prompts with their images and videos (host arrays).
 
     input_ids, attention_mask: [B, T]; pixel_values: [N, patch_dim] patches of all images
-    (batch order) then all videos, or None; image_grid_thw / video_grid_thw: [n, 3] or None.
+    (batch order) then all videos, or None; image_grid_thw / video_grid_thw: [n, 3] or None;
+    second_per_grid_ts: float32 [n_videos] seconds per temporal grid step of each video (Qwen2.5-VL's
+    M-RoPE time scale: temporal_patch_size / sampled fps), or None (1.0 for every video, as transformers).
     """
 
     input_ids: np.ndarray
@@ -57,6 +59,14 @@ class Prompts:
     pixel_values: np.ndarray | None = None
     image_grid_thw: np.ndarray | None = None
     video_grid_thw: np.ndarray | None = None
+    second_per_grid_ts: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.second_per_grid_ts is not None:
+            n = 0 if self.video_grid_thw is None else len(self.video_grid_thw)
+            if np.shape(self.second_per_grid_ts) != (n,):
+                raise ValueError(f"second_per_grid_ts has shape {np.shape(self.second_per_grid_ts)}, the prompts have "
+                                 f"{n} videos: give one value per video (video_grid_thw row), or None for 1.0 each")
 
     @property
     def batch_size(self) -> int:

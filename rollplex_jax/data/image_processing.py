@@ -293,6 +293,27 @@ def preprocess_video(frames: list[Image.Image], vision: VisionConfig, min_pixels
         raise ValueError("preprocess_video got no frames; pass at least one frame")
     factor = check_vision(vision)
     height, width = smart_resize(frames[0].height, frames[0].width, factor, min_pixels, max_pixels)
+    return preprocess_video_at(frames, vision, height, width)
+
+
+def preprocess_video_at(frames: list[Image.Image], vision: VisionConfig, height: int,
+                        width: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`preprocess_video` at a size chosen by the caller (``video_io``: Qwen's per-video frame budget).
+
+    Args:
+        frames: PIL frames in time order (at least one), any sizes and modes.
+        vision: Supplies patch_size, spatial_merge_size and temporal_patch_size.
+        height, width: target size of every frame, multiples of ``patch_size * spatial_merge_size``.
+
+    Returns:
+        As :func:`preprocess_video`.
+    """
+    if not frames:
+        raise ValueError("preprocess_video_at got no frames; pass at least one frame")
+    factor = check_vision(vision)
+    if height < factor or width < factor or height % factor or width % factor:
+        raise ValueError(f"video frame size {height}x{width} (height x width) is not a positive multiple of "
+                         f"{factor} (patch_size x spatial_merge_size); size it with smart_resize")
     stacked = np.stack([_normalized_frame(f, height, width) for f in frames])
     patches, grid = _patchify(stacked, vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
     return patches, np.asarray([grid], dtype=np.int64)

@@ -46,8 +46,8 @@ def micro_batches(cfg: ModelConfig, prompts: Prompts, rollouts: Rollouts, micro_
     rows = rows or slice(0, b * g)
     for r0 in range(rows.start, rows.stop, micro_batch):
         r1 = min(r0 + micro_batch, rows.stop)
-        pix, sel = _select(prompts, spans, prompt_of_row[r0:r1])
-        inputs = prepare_inputs(cfg, ids[r0:r1], mask[r0:r1], pix, *sel,
+        pix, sel, secs = _select(prompts, spans, prompt_of_row[r0:r1])
+        inputs = prepare_inputs(cfg, ids[r0:r1], mask[r0:r1], pix, *sel, second_per_grid_ts=secs,
                                 vision_region=region[r0:r1], groups=groups)
         out.append(MicroBatch(slice(r0, r1), inputs, prompts.input_ids.shape[1],
                               rollouts.response_ids.reshape(b * g, tr)[r0:r1], rollouts.mask.reshape(b * g, tr)[r0:r1]))
@@ -66,14 +66,18 @@ def _grid_spans(cfg: ModelConfig, prompts: Prompts):
     return out
 
 
-def _select(prompts: Prompts, spans, rows) -> tuple[np.ndarray | None, list]:
-    """pixel_values and (image, video) grids of prompt rows ``rows`` (in that order, with repeats)."""
+def _select(prompts: Prompts, spans, rows) -> tuple[np.ndarray | None, list, np.ndarray | None]:
+    """pixel_values, (image, video) grids and the videos' second_per_grid_ts of prompt rows ``rows`` (in that
+    order, with repeats)."""
     pix, sel = [], []
     for grids, owner, starts in spans:
         its = [i for p in rows for i in owner[p]]
         pix += [prompts.pixel_values[starts[i]:starts[i + 1]] for i in its]
         sel.append(grids[its] if its else None)
-    return (np.concatenate(pix) if pix else None), sel
+    secs = None
+    if prompts.second_per_grid_ts is not None and its:  # its: the videos (the last span)
+        secs = np.asarray(prompts.second_per_grid_ts, np.float32)[its]
+    return (np.concatenate(pix) if pix else None), sel, secs
 
 
 def repeat_rows(cfg: ModelConfig, prompts: Prompts, g: int) -> Prompts:
@@ -82,11 +86,12 @@ def repeat_rows(cfg: ModelConfig, prompts: Prompts, g: int) -> Prompts:
 
 
 def select_rows(cfg: ModelConfig, prompts: Prompts, rows) -> Prompts:
-    """Prompt rows ``rows`` (in that order, repeats allowed) with their images and videos."""
+    """Prompt rows ``rows`` (in that order, repeats allowed) with their images and videos (and the videos'
+    ``second_per_grid_ts``)."""
     rows = np.asarray(rows, np.int64)
-    pix, (img, vid) = _select(prompts, _grid_spans(cfg, prompts), rows)
+    pix, (img, vid), secs = _select(prompts, _grid_spans(cfg, prompts), rows)
     return Prompts(input_ids=prompts.input_ids[rows], attention_mask=prompts.attention_mask[rows],
-                   pixel_values=pix, image_grid_thw=img, video_grid_thw=vid)
+                   pixel_values=pix, image_grid_thw=img, video_grid_thw=vid, second_per_grid_ts=secs)
 
 
 def mini_batch_rows(n_rows: int, n_mini: int) -> list[slice]:

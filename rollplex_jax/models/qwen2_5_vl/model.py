@@ -96,7 +96,8 @@ def prepare_inputs(
     is then group-local where the items allow (``rope.group_layout``: every window gather within a device).
 
     ``pixel_values`` holds the patches of every image (in batch order) followed by those of
-    every video, matching ``image_grid_thw`` then ``video_grid_thw``. ``vision_region`` [B, T]
+    every video, matching ``image_grid_thw`` then ``video_grid_thw``; ``second_per_grid_ts`` [n_videos] the
+    videos' seconds per temporal grid step (M-RoPE time scale; None: 1.0 each). ``vision_region`` [B, T]
     marks where placeholders may be (default everywhere; the prompt part of prompt ++ answer
     rows, since a sampled answer may contain the pad ids as plain tokens).
     """
@@ -118,6 +119,10 @@ def prepare_inputs(
         if pixel_values is None or pixel_values.shape != (n_patches, cfg.vision.patch_dim):
             got = None if pixel_values is None else tuple(pixel_values.shape)
             raise ValueError(f"pixel_values has shape {got}, the grids need ({n_patches}, {cfg.vision.patch_dim})")
+    n_videos = 0 if video_grid_thw is None else len(video_grid_thw)
+    if second_per_grid_ts is not None and np.shape(second_per_grid_ts) != (n_videos,):
+        raise ValueError(f"second_per_grid_ts has shape {np.shape(second_per_grid_ts)} for {n_videos} videos: give "
+                         "one value per video_grid_thw row (seconds per temporal grid step), or None")
     positions, next_pos = rope.get_rope_index(input_ids, attention_mask, cfg, image_grid_thw, video_grid_thw,
                                               second_per_grid_ts, types)
     layout = rope.vision_layout(grids, cfg.vision).arrays(groups) if len(grids) else None

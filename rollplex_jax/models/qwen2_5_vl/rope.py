@@ -62,7 +62,8 @@ def get_rope_index(
       cfg: the model config (special ids, merge size, tokens_per_second).
       image_grid_thw, video_grid_thw: [n, 3] grids, in the order the image/video blocks
         appear across the batch (row-major over batch then sequence).
-      second_per_grid_ts: [n_videos] seconds per temporal grid step (default 1).
+      second_per_grid_ts: [n_videos] seconds per temporal grid step (default 1); the temporal offsets are
+        ``temporal_positions`` (float32 arithmetic, as transformers).
       types: [B, T] token types (``token_types``); default: from the ids everywhere.
 
     Returns:
@@ -95,8 +96,7 @@ def get_rope_index(
             if e - s != n:
                 raise ValueError(f"row {b}: a block of {e - s} vision tokens does not match grid {tuple(grid)} "
                                  f"which needs {n} tokens")
-            interval = cfg.vision.tokens_per_second * next(secs, 1.0) if kind == VIDEO else 1
-            tt = (np.arange(t) * interval).astype(np.int64)
+            tt = temporal_positions(t, cfg.vision.tokens_per_second, next(secs, 1.0) if kind == VIDEO else None)
             tg, hg, wg = np.meshgrid(tt, np.arange(h), np.arange(w), indexing="ij")
             chunks.append(np.stack([tg.ravel(), hg.ravel(), wg.ravel()]) + cur)
             cur += max(h, w)
@@ -104,6 +104,18 @@ def get_rope_index(
         positions[:, b, keep] = pos
         next_pos[b] = cur
     return positions, next_pos
+
+
+def temporal_positions(t: int, tokens_per_second: float, second_per_grid_t: float | None) -> np.ndarray:
+    """Temporal M-RoPE offsets of a block's ``t`` grid steps: ``trunc(i x tokens_per_second x second_per_grid_t)``
+    in float32, as transformers computes it (``second_per_grid_ts`` is a float32 tensor: ``tokens_per_second x s``
+    and ``arange(t) x interval`` are float32 products, then ``.long()``). The float32 rounding matters: with
+    s = 0.45, tokens_per_second 2, step 10 is 9 in float32 and 8 in float64 (vLLM computes in float64).
+    Images (``second_per_grid_t`` None) take 0, 1, ... (interval 1)."""
+    if second_per_grid_t is None:
+        return np.arange(t, dtype=np.int64)
+    interval = np.float32(tokens_per_second) * np.float32(second_per_grid_t)
+    return np.trunc(np.arange(t, dtype=np.float32) * interval).astype(np.int64)
 
 
 def mrope_cos_sin(positions: jnp.ndarray, cfg: TextConfig, dtype) -> tuple[jnp.ndarray, jnp.ndarray]:
