@@ -210,7 +210,9 @@ class _Rows:
         from rollplex_jax.data import video_io
 
         try:
-            plan = video_io.probe_video(spec, self.video_rule, self.vision.patch_size * self.vision.spatial_merge_size)
+            v = self.vision
+            plan = video_io.probe_video(spec, self.video_rule, v.patch_size * v.spatial_merge_size,
+                                        patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size)
             if list(plan.grid_thw) != grid.tolist():
                 raise DataError(f"{where}: video {video_name(spec)!r} now gives grid {list(plan.grid_thw)}, "
                                 f"{grid.tolist()} at load time: the file changed since loading; restart the run")
@@ -375,9 +377,4 @@ def collate(examples: Iterable[Example], pad_id: int) -> Prompts:
     return Prompts(input_ids=input_ids, attention_mask=mask, pixel_values=cat(pix, np.float32),
                    image_grid_thw=cat([e.image_grid_thw for e in images], np.int64),
                    video_grid_thw=cat([e.video_grid_thw for e in videos], np.int64),
-                   **_spgt(cat([e.second_per_grid_ts for e in videos], np.float32)))
-
-
-def _spgt(values: np.ndarray | None) -> dict:
-    """``second_per_grid_ts`` for ``Prompts`` once the contract carries it (issue 18), else nothing."""
-    return {"second_per_grid_ts": values} if "second_per_grid_ts" in Prompts.__dataclass_fields__ else {}
+                   second_per_grid_ts=cat([e.second_per_grid_ts for e in videos], np.float32))

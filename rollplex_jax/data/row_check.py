@@ -95,7 +95,8 @@ class RowChecker:
             except ValueError as e:
                 raise DataError(f"{where}: {e}") from None
             try:
-                plans.append(video_io.probe_video(spec, self.video_rule, self.factor))
+                plans.append(video_io.probe_video(spec, self.video_rule, self.factor, patch_size=self.vision.patch_size,
+                                                   temporal_patch_size=self.vision.temporal_patch_size))
             except ValueError as e:  # VideoError, or a rule that cannot sample it (too few frames)
                 return str(e)
         return plans

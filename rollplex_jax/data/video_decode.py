@@ -25,6 +25,7 @@ import dataclasses
 import os
 
 import av
+from av.video.reformatter import VideoReformatter
 from PIL import Image
 
 
@@ -103,9 +104,10 @@ def decode_frames(path: str, indices, header_frames: int) -> list[Image.Image]:
                 raise VideoError(f"video file {path!r} has no video stream; drop it or point the row at the video")
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
+            rgb = VideoReformatter()  # one swscale context for the clip: frame.to_image() builds one per frame
             for frame in container.decode(stream):
                 if decoded in want:
-                    got[decoded] = frame.to_image()
+                    got[decoded] = rgb.reformat(frame, format="rgb24").to_image()
                 decoded += 1
                 if decoded > last:
                     break
