@@ -27,11 +27,13 @@ from rollplex_jax.data import synthetic_video
 
 TASKS = ("colour", "quadrant", "count", "video_count")  # video_count: synthetic_video.py (mp4 clips)
 IMAGE_TASKS = TASKS[:3]
-PROMPTS = {"colour": "what colour?", "quadrant": "which quadrant?", "count": "how many squares?"}
+PROMPTS = {"colour": "what colour?", "quadrant": "which quadrant?", "count": "how many squares?",
+           "video_count": synthetic_video.PROMPT}
 ANSWERS = {
     "colour": ("red", "green", "blue", "yellow"),
     "quadrant": ("top-left", "top-right", "bottom-left", "bottom-right"),
     "count": ("1", "2", "3", "4"),
+    "video_count": synthetic_video.ANSWERS,
 }
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (235, 215, 40)}
 BACKGROUND = (40, 40, 40)
