@@ -221,17 +221,15 @@ def open_source(spec: str) -> JsonlSource | JsonSource | ParquetSource:
     path, key = spec, None
     if "@" in spec and not os.path.exists(spec):
         path, key = spec.rsplit("@", 1)
-    if os.path.isdir(path):
-        return ParquetSource(path)
-    ext = os.path.splitext(path)[1].lower()
+    ext = "" if os.path.isdir(path) else os.path.splitext(path)[1].lower()
     if key is not None and ext != ".json":
         raise DataError(f"dataset {spec!r}: '@{key}' selects an array inside a .json file only; a .jsonl or .parquet "
                         "file (or a directory of parquet files) is one split")
+    if os.path.isdir(path) or ext == ".parquet":
+        return ParquetSource(path)
     if ext == ".jsonl":
         return JsonlSource(path)
     if ext == ".json":
         return JsonSource(path, key)
-    if ext == ".parquet":
-        return ParquetSource(path)
     raise DataError(f"dataset {spec!r}: unknown format {ext or '(no extension)'!r}; give a .jsonl, .json or "
                     ".parquet file, or a directory of .parquet files")
