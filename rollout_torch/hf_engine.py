@@ -7,7 +7,9 @@ view: 100% shared, nothing rebuilt). With params sharded over a training mesh (e
 engine (no tensor parallelism) runs on the mesh's first device: replicated params are aligned views
 of that device's shard, split ones are rebuilt (engine-owned full tensors, refilled in place on
 every bind). Generation is transformers' own ``generate`` (left padding, images and videos with their
-``second_per_grid_ts``, M-RoPE; decoding continues the prompt's positions: ``continue_after_last_token``);
+``second_per_grid_ts``, M-RoPE; transformers 5.24's generate extends the prompt's position ids by one per
+decoded token, so decoding continues exactly where its forward of prompt ++ answer does, also after a video
+whose time positions run past the text: its ``rope_deltas`` are not used in a fresh generate);
 each answer is sampled from its own seeded generator (``SeededSampler``), whatever rows share its batch, and
 the chosen tokens' log-probs are kept step by step (``ChosenLogprobs``): one step's [rows, vocab] at a time.
 """
@@ -55,31 +57,6 @@ def _set_param(model, name: str, tensor: torch.Tensor) -> None:
         mod._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
-def continue_after_last_token(model) -> None:
-    """Makes generate's decode positions continue the prompt's own M-RoPE positions.
-
-    transformers 5's ``get_rope_index`` places text after a vision block at ``start + max(h, w) / merge`` (what
-    the trainer's full forward and ours use), but returns ``rope_deltas = max(position) + 1 - length``, from which
-    ``generate`` positions every decoded token. The two agree unless a video's temporal positions (up to
-    ``(t - 1) x tokens_per_second x second_per_grid_t`` past its start) exceed every later prompt position: then
-    generate would decode the answer at positions its own forward of prompt ++ answer does not use, and the
-    engine's log-probs would not be the trainer's. Here the deltas are taken from the last real prompt token:
-    ``max(h, w position) + 1 - length`` (for a text token, all three axes are equal; after a vision block, the
-    running position), so decoding continues exactly where a full forward would."""
-    original = model.get_rope_index
-
-    def get_rope_index(input_ids, *args, **kwargs):
-        positions, _ = original(input_ids, *args, **kwargs)
-        mask = kwargs.get("attention_mask")
-        mask = torch.ones_like(input_ids) if mask is None else mask.bool()
-        last = input_ids.shape[1] - 1 - mask.flip(-1).int().argmax(-1)  # index of each row's last real token
-        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        nxt = torch.maximum(positions[1, rows, last], positions[2, rows, last]) + 1
-        return positions, (nxt - mask.sum(-1)).unsqueeze(1).to(torch.long)
-
-    model.get_rope_index = get_rope_index
-
-
 def check_layout(model, tensors: Sequence[RankTensor]) -> None:
     """Every parameter of the torch model has exactly one tensor of the layout, of its shape; raises naming
     every mismatch (the trainer described another model, or another transformers naming)."""
@@ -106,7 +83,6 @@ class HFEngine:
 
     def __init__(self, hf_config: Mapping[str, Any], *, max_batch: int = 64):
         self.model = _build_meta_model(hf_config)
-        continue_after_last_token(self.model.model)
         c = self.model.config
         self.pad_token_id = int(c.text_config.pad_token_id)
         self.image_token_id, self.video_token_id = int(c.image_token_id), int(c.video_token_id)

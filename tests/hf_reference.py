@@ -92,5 +92,7 @@ def hf_forward(model, cfg: ModelConfig, inp: dict, output_hidden_states: bool = 
     if inp["video_grid_thw"] is not None:
         kw["video_grid_thw"] = torch.from_numpy(inp["video_grid_thw"])
         kw["pixel_values_videos"] = torch.from_numpy(inp["pixel_values"][n_img:])
+        if inp.get("second_per_grid_ts") is not None:  # float32, as transformers' processor makes it
+            kw["second_per_grid_ts"] = torch.from_numpy(np.asarray(inp["second_per_grid_ts"], np.float32))
     with torch.no_grad():
         return model(**kw)

@@ -9,8 +9,9 @@ Qwen-level plan on top of the two functions here:
   is the number of (non-empty) video packets, found by demuxing the file without decoding a frame, not the
   header's ``nb_frames``: webm/mkv headers carry none (0) and an edited or truncated mp4's can be wrong, while a
   packet holds exactly one frame for every video codec FFmpeg has. That is also what torchcodec's exact mode
-  (qwen-vl-utils' first choice of reader) counts. Cost: one read of the file (measured: 0.2 ms for a 32-frame
-  64x48 mp4; demuxing moves bytes, it does not decode them).
+  (qwen-vl-utils' first choice of reader) counts. Cost: one read of the file, no decoding (measured on this
+  2-core CPU, whole probe: 0.5 ms for a 32-frame 64x48 mp4, 10 ms for 3000 frames (1.4 MB), 18 ms for 300
+  frames of 640x360 (0.8 MB); about 3 us a packet, so ~0.4 s for an hour at 30 fps plus reading the file).
 - ``decode_frames``: decodes from the start up to the last chosen frame only (frame-threaded), keeping the
   chosen frames as RGB PIL images (FFmpeg's swscale does the YUV -> RGB conversion, as it does for decord and
   torchcodec); a file that decodes to fewer frames than its packets promised is an error, not a shorter video.

@@ -3,7 +3,8 @@
 Same seed, 3 RL steps: per-step loss and KL within 1e-5, final params within 2% of the update scale
 (lr x updates) per element (tests/equivalence.py: robust to reduction order, and why), for every
 combination of --prefix_sharing and --overlap, with --freeze_vision off and on, with
---actor_prefix=recompute, and with 2 mini-batches (the second recomputes the prefix). Also: the split
+--actor_prefix=recompute, and with 2 mini-batches (the second recomputes the prefix); and prompts with decoded
+videos (a mp4 and a frame list, with their second_per_grid_ts), 2 steps. Also: the split
 gradient equals the full-sequence gradient on random inputs (per parameter, fp32, rtol 1e-5), and a
 stale boundary state raises.
 
@@ -18,14 +19,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rollplex_contract.batch import Prompts
 from rollplex_jax import rollplex_ops, scheduler
 from rollplex_jax.config import Config, DataConfig, ModelConfig, OptimConfig, RlConfig, RolloutConfig, RunConfig
 from rollplex_jax.data.dataset import collate
+from rollplex_jax.data.video_io import load_video, probe_video, video_spec
+from rollplex_jax.data.video_sampling import VideoRule
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.rl import losses
 from rollplex_jax.runner import Runner
 from tests.equivalence import assert_same_updates
+from tests.hf_reference import mm_inputs
 from tests.paths import REPO
+from tests.video_files import write_frames, write_video
 
 TOL = 1e-5
 LR = 3e-3
@@ -102,6 +108,54 @@ def test_micro_batches_equal_serial(tmp_path, micro, mini, sharing):
     a = _run(_config(tmp_path, "s", mini=mini, micro=micro))
     b = _run(_config(tmp_path, "r", mini=mini, micro=micro, schedule="rollplex", prefix_sharing=sharing))
     _compare(b, a, mini=mini)
+
+
+def _video_prompts(cfg: ModelConfig, tmp_path) -> Prompts:
+    """Two prompts built by hand: a 32-frame mp4 at 2 fps (t 4, 1 s per step) after an image, and a 5-frame list at
+    4 fps (t 3, 0.5 s per step); every frame 56x56 (4 merged tokens per step)."""
+    (tmp_path / "frames").mkdir()
+    specs = [video_spec(write_video(tmp_path / "a.mp4", 32, noise=True)),
+             video_spec({"video": write_frames(tmp_path / "frames", 5), "fps": 4.0})]
+    plans = [probe_video(s, VideoRule(min_pixels=28 * 28, max_pixels=56 * 56)) for s in specs]
+    rows = [[1, 9, ("image", (1, 4, 4)), 10, ("video", plans[0].grid_thw), 11, 12],
+            [1, 13, ("video", plans[1].grid_thw), 14, 15, 16, 17]]
+    inp = mm_inputs(cfg, rows, np.random.default_rng(0))
+    videos = [load_video(s, p, cfg.vision) for s, p in zip(specs, plans, strict=True)]
+    inp["pixel_values"] = np.concatenate([inp["pixel_values"][:16], *videos])
+    return Prompts(**inp, second_per_grid_ts=np.asarray([p.second_per_grid_t for p in plans], np.float32))
+
+
+def _steps(cfg, prompts, n=2):
+    """``n`` steps of ``cfg``'s schedule on the same prompts; (metrics, final params)."""
+    r = Runner(cfg)
+    step_fn = scheduler.rollplex_step if cfg.run.schedule == "rollplex" else scheduler.serial_step
+    metrics = []
+    for step in range(n):
+        with r.mesh_scope():
+            out = step_fn(r.ctx, r.state, prompts, [""] * prompts.batch_size, seed=r._seed(step), step=step,
+                          tracer=r.tracer)
+        r.state = out.state
+        metrics.append(out.metrics)
+    params = {k: np.asarray(v) for k, v in r.state.params.items()}
+    r.close()
+    return metrics, params
+
+
+def test_video_prompts_rollplex_equals_serial(tmp_path):
+    """The rollplex prefix (vision tower over the videos' frames, their time-scaled M-RoPE positions) shared by G
+    answers gives the serial step's update on prompts with videos."""
+    serial = _config(tmp_path, "s")
+    prompts = _video_prompts(serial.model, tmp_path)
+    (ma, pa), (mb, pb) = (_steps(serial, prompts),
+                          _steps(_config(tmp_path, "r", schedule="rollplex"), prompts))
+    assert any(m["skipped_steps/no_signal"] == 0 for m in ma)
+    for x, y in zip(ma, mb, strict=True):
+        assert x["reward/mean"] == y["reward/mean"]
+        for key in ("loss", "kl"):
+            if key in x or key in y:
+                assert abs(x[key] - y[key]) <= TOL, (key, x[key], y[key])
+    worst = assert_same_updates(pb, pa, lr=LR, updates=2)
+    print(f"video prompts: worst param difference {worst:.3g} of the tolerance")
 
 
 def test_stale_boundary_raises():
