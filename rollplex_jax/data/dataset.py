@@ -46,7 +46,7 @@ from rollplex_jax.config import VisionConfig
 from rollplex_jax.data import rows as rows_lib
 from rollplex_jax.data.image_cache import DEFAULT_CACHE_BYTES, PatchCache
 from rollplex_jax.data.image_processing import ImageLoadError, load_image, num_merged_tokens, preprocess_images
-from rollplex_jax.data.row_check import DataReport, RowChecker, video_name
+from rollplex_jax.data.row_check import DataReport, RowChecker
 from rollplex_jax.data.sampler import PromptSampler
 from rollplex_jax.data.sources import DataError, jsonl_lines, open_source
 from rollplex_jax.data.tokenizer import Tokenizer, render_messages
@@ -170,7 +170,7 @@ class _Rows:
         load = functools.partial(self.pixels, tuple(img), tuple(vid), images, videos, where)
         return Example(prompt_ids=ids, image_grid_thw=images, video_grid_thw=videos, second_per_grid_ts=spgt,
                        answer=parsed.answer, prompt=parsed.prompt, images=tuple(n for n, _ in img),
-                       videos=tuple(video_name(v) for v in vid), extra=parsed.extra, source=where, load_pixels=load)
+                       videos=tuple(v.name for v in vid), extra=parsed.extra, source=where, load_pixels=load)
 
     def pixels(self, images, videos, image_grids, video_grids, where: str, kind: str) -> np.ndarray:
         """float32 [N, patch_dim]: the row's images' (or videos') patches in order, from the cache or decoded now."""
@@ -214,7 +214,7 @@ class _Rows:
             plan = video_io.probe_video(spec, self.video_rule, v.patch_size * v.spatial_merge_size,
                                         patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size)
             if list(plan.grid_thw) != grid.tolist():
-                raise DataError(f"{where}: video {video_name(spec)!r} now gives grid {list(plan.grid_thw)}, "
+                raise DataError(f"{where}: video {spec.name!r} now gives grid {list(plan.grid_thw)}, "
                                 f"{grid.tolist()} at load time: the file changed since loading; restart the run")
             return video_io.load_video(spec, plan, self.vision)
         except video_io.VideoError as e:

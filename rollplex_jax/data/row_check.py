@@ -46,14 +46,6 @@ class DataReport:
         return ", ".join(parts + [f"{self.too_long} over max_prompt_len={max_prompt_len}"])
 
 
-def video_name(spec) -> str:
-    """A video's name in messages: its file, or its first frame and the frame count."""
-    if getattr(spec, "path", None):
-        return spec.path
-    frames = spec.frames
-    return f"{frames[0]} (+{len(frames) - 1} frames)"
-
-
 class RowChecker:
     """Checks rows at load time, from the row and its media's headers; counts and logs the skipped ones."""
 
