@@ -35,7 +35,6 @@ from __future__ import annotations
 import array
 import dataclasses
 import functools
-import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -48,7 +47,7 @@ from rollplex_jax.data.image_cache import DEFAULT_CACHE_BYTES, PatchCache
 from rollplex_jax.data.image_processing import ImageLoadError, load_image, num_merged_tokens, preprocess_images
 from rollplex_jax.data.row_check import DataReport, RowChecker
 from rollplex_jax.data.sampler import PromptSampler
-from rollplex_jax.data.sources import DataError, jsonl_lines, open_source
+from rollplex_jax.data.sources import DataError, jsonl_lines, open_source, read_json_row
 from rollplex_jax.data.tokenizer import Tokenizer, render_messages
 from rollplex_jax.data.video_sampling import VideoRule
 
@@ -59,15 +58,7 @@ _lines = jsonl_lines  # the oracle of the lazy path (tests/data/eager_reference.
 
 def _parse_row(where: str, line: bytes) -> dict:
     """A row of this project's original JSONL format, its fields checked; ``DataError`` naming ``where``."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: a row must be a JSON object "
-                        f'{{"images": [...], "prompt": ..., "answer": ...}}, got {type(row).__name__}')
+    row = read_json_row(where, line)
     for key in ("prompt", "answer"):
         if key not in row:
             raise DataError(f"{where}: missing field {key!r} (a string)")

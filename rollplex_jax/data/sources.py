@@ -36,7 +36,8 @@ class DataError(ValueError):
 FORMATS = (".jsonl", ".json", ".parquet")
 
 
-def _read_json_row(where: str, line: bytes) -> dict:
+def read_json_row(where: str, line: bytes) -> dict:
+    """The JSON object of one line; ``DataError`` naming ``where`` for bad JSON or a non-object."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -90,7 +91,7 @@ class JsonlSource:
         for i, (_, _, line) in enumerate(jsonl_lines(self.path)):
             if zlib.crc32(line) != int(self._crc[i]):
                 raise DataError(f"{self.where(i)}: the dataset file changed while it was being loaded; load it again")
-            yield _read_json_row(self.where(i), line)
+            yield read_json_row(self.where(i), line)
 
     def row(self, i: int) -> dict:
         where = self.where(i)
@@ -103,7 +104,7 @@ class JsonlSource:
         if zlib.crc32(line) != int(self._crc[i]):
             raise DataError(f"{where}: the dataset file changed since it was loaded (this line is not the one that "
                             "was checked); restart the run on the file as it is now")
-        return _read_json_row(where, line)
+        return read_json_row(where, line)
 
 
 class JsonSource:

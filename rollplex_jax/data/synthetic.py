@@ -17,7 +17,6 @@ quadrant boundaries fall on patch boundaries). Everything is a function of the n
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -145,10 +144,5 @@ def write_dataset(task: str, n: int, out_dir: str | os.PathLike, seed: int, imag
         image, prompt, answer = make_example(task, rng, image_size)
         rel = f"images/{i:0{width}d}.png"
         image.save(os.path.join(out_dir, rel))
-        rows.append(json.dumps({"images": [rel], "prompt": prompt, "answer": answer}))
-    path = os.path.join(out_dir, "data.jsonl")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("\n".join(rows) + "\n")
-    os.replace(tmp, path)
-    return path
+        rows.append({"images": [rel], "prompt": prompt, "answer": answer})
+    return synthetic_video.write_jsonl(os.path.join(out_dir, "data.jsonl"), rows)

@@ -79,10 +79,14 @@ def write_video_dataset(n: int, out_dir: str | os.PathLike, seed: int, size: int
         clip, answer = make_clip(rng, size, frames)
         rel = f"videos/{i:0{width}d}.mp4"
         write_mp4(os.path.join(out_dir, rel), clip, fps)
-        rows.append(json.dumps({"videos": [rel], "prompt": PROMPT, "answer": answer}))
-    path = os.path.join(out_dir, "data.jsonl")
+        rows.append({"videos": [rel], "prompt": PROMPT, "answer": answer})
+    return write_jsonl(os.path.join(out_dir, "data.jsonl"), rows)
+
+
+def write_jsonl(path: str, rows: list[dict]) -> str:
+    """Writes ``rows`` as a JSONL file atomically (a temporary file renamed), so a reader never sees half of it."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.write("\n".join(rows) + "\n")
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
     os.replace(tmp, path)
     return path
