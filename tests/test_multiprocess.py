@@ -21,7 +21,7 @@ import pytest
 
 from tests.paths import REPO
 
-SKIP = ("time/", "memory/")
+SKIP = ("time/", "memory/", "timing_s/", "perf/time_per_step", "perf/throughput")  # wall clock, live memory
 FLAGS = ["--flagfile=configs/tiny_cpu.flags", "--steps=2", "--train_fsdp=2", "--train_tp=2", "--batch_prompts=4",
          "--group_size=4", "--micro_batch=8", "--synthetic_n=64", "--eval_n=16", "--checkpoint_every=1",
          "--noprogress", "--reward=launch.bench_reward:varied_reward"]
