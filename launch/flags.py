@@ -249,7 +249,8 @@ _HELP = {
                  "at the end (finish). The run always validates at the end when it has validation prompts.",
     "val_before_train": "Also validate before the first step (metrics.jsonl row of step 0).",
     "val_temperature": "Validation sampling temperature: 0 = greedy (default), > 0 = sampled with a fixed seed (the "
-                       "same at every validation, so runs and validations are reproducible). eval/greedy_accuracy in "
+                       "same at every validation, so runs and validations are reproducible; --top_p/--top_k apply). "
+                       "eval/greedy_accuracy in "
                        "run_summary.json is always greedy.",
     "val_generations_to_log": "Validation answers to log (the first k prompts: prompt, response, ground truth, "
                               "score) to <workdir>/val_generations.jsonl and the console; 0 = none.",

@@ -158,7 +158,8 @@ class RlConfig:
         _choice("rl", "kl_mode", self.kl_mode, KL_MODES)
         _require(self.kl_coef >= 0, "rl.kl_coef", self.kl_coef, "must be >= 0")
         _choice("rl", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _require(bool(self.reward), "rl.reward", self.reward, "exact_match, numeric, format or module:function")
+        _require(bool(self.reward), "rl.reward", self.reward,
+                 "a built-in (exact_match, numeric, format, math, r1v, choice) or module:function")
         _require(self.reward_timeout_s > 0, "rl.reward_timeout_s", self.reward_timeout_s, "must be > 0")
         _require(self.reward_workers > 0, "rl.reward_workers", self.reward_workers, "must be > 0")
         _choice("rl", "reward_failure", self.reward_failure, REWARD_FAILURES)

@@ -105,3 +105,10 @@ def three_required(response, answer, rubric):
     """Fits none of the forms: refused when the runner is built."""
     return 1.0
 
+
+
+def varied_parts(reward_inputs):
+    """EasyR1 batch form of launch.bench_reward.varied_reward (len(response) % 2: variance in every group), with
+    parts, so that a multi-process run gathers parts and their names (tests/test_multiprocess.py)."""
+    return [{"overall": float(len(x["response"]) % 2), "parity": float(len(x["response"]) % 2),
+             "tokens": float(x["response_length"])} for x in reward_inputs]

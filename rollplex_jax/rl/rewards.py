@@ -166,7 +166,7 @@ class RewardError(RuntimeError):
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class RewardScores:
     """A batch's scores, in input order: ``overall`` [N] float32 (what the advantages use), ``parts`` {name:
     [N] float32} (the parts the function returned, e.g. ``format``, ``accuracy``; 0 where a call failed or did
