@@ -196,15 +196,15 @@ _HELP = {
     "video_max_frames": "Most frames sampled from a video (Qwen: 768).",
     "video_total_pixels": "Pixel budget over all of a video's frames: each frame gets at most total/frames*2 "
                           "(Qwen: 128000*28*28*0.9).",
-    "eval_dataset": "Held-out prompts for the greedy evaluation at the end (same format). Empty = a fresh "
-                    "synthetic set of --eval_n prompts (other seed) when training on a synthetic task.",
+    "eval_dataset": "Older name of --val_dataset (kept working; pass one of the two).",
     "synthetic_task": "Built-in task used when --dataset is empty: colour, quadrant, count (images) or video_count "
                       "(mp4 clips: how many times a square appears).",
     "synthetic_n": "Number of synthetic training prompts to write.",
     "synthetic_image_size": "Side in px of the synthetic images or video frames (56 = 2x2 vision tokens; 112 = 4x4).",
     "synthetic_video_frames": "video_count: frames per clip at 2 fps (even, >= 8; every 2 frames are one temporal "
                               "step of the vision tower).",
-    "eval_n": "Number of held-out prompts for the final greedy evaluation (0 = skip).",
+    "eval_n": "Synthetic validation prompts written when training on a synthetic task (a --val_dataset file is used "
+              "whole); 0 = no validation and no final evaluation.",
     "image_cache_mb": "MiB of preprocessed image patches each dataset keeps (least recently used dropped first); "
                       "images are decoded when a batch needs them. 0 = decode every time.",
     "engine": "Rollout engine: hf (transformers, everywhere) or vllm (where installed).",
@@ -228,7 +228,14 @@ _HELP = {
     "log_kl": "Run the reference and report the KL to it (metric kl) even when it is not in the objective "
               "(--kl_coef=0 or --kl_mode=off).",
     "kl_estimator": "KL estimator: k1, k2 or k3 (low variance).",
-    "reward": "Reward: exact_match, numeric, format, or module:function taking (response, answer).",
+    "reward": "Reward: exact_match, numeric, format, math (last \\boxed{} graded by math-verify; 0.9 accuracy + 0.1 "
+              "format), r1v (<think>/<answer>; 0.5 + 0.5), choice (option letter), or module:function in the form "
+              "fn(response, answer), verl's compute_score(data_source, solution_str, ground_truth, extra_info) or "
+              "EasyR1's compute_score(reward_input) / compute_score(reward_inputs) (detected by parameter names; "
+              "see rollplex_jax/rl/reward_calls.py). A function may return a number or a dict with 'score' / "
+              "'overall' and parts (logged as reward/<part>).",
+    "reward_kwargs": "JSON object of keyword arguments for the reward function (EasyR1's reward_function_kwargs), "
+                     "e.g. '{\"format_weight\": 0.2}' for math or r1v. Empty = none.",
     "reward_timeout_s": "Per-call timeout of the reward function; a timeout gives reward 0 (counted).",
     "reward_workers": "Threads running reward calls.",
     "reward_failure": "On a reward exception/timeout: zero (count it in reward/failures) or raise (stop).",
@@ -256,6 +263,18 @@ _HELP = {
     "resume": "Continue the run in --workdir from its latest complete checkpoint (same per-step metrics and final "
               "params as an uninterrupted run). Without it, a --workdir that has checkpoints is refused.",
     "progress": "Show a progress bar.",
+    # --- validation (issue 18; EasyR1's val_files, val_freq, val_before_train, val_generations_to_log) ---
+    "val_dataset": "Validation prompts (same format as --dataset; --eval_dataset is its older name). Empty = a fresh "
+                   "synthetic set of --eval_n prompts (other seed) when training on a synthetic task, else none.",
+    "val_every": "Validate every N steps (EasyR1's val_freq; metrics val/* in that step's metrics.jsonl row); 0 = only "
+                 "at the end (finish). The run always validates at the end when it has validation prompts.",
+    "val_before_train": "Also validate before the first step (metrics.jsonl row of step 0).",
+    "val_temperature": "Validation sampling temperature: 0 = greedy (default), > 0 = sampled with a fixed seed (the "
+                       "same at every validation, so runs and validations are reproducible; --top_p/--top_k apply). "
+                       "eval/greedy_accuracy in "
+                       "run_summary.json is always greedy.",
+    "val_generations_to_log": "Validation answers to log (the first k prompts: prompt, response, ground truth, "
+                              "score) to <workdir>/val_generations.jsonl and the console; 0 = none.",
     "hbm_budget": "Accelerator memory per device the run must stay under, with a unit (e.g. 80GiB, 512MiB; '' = "
                   "none). The runtime offloads the optimizer state if that is what it takes, or refuses to start "
                   "naming the smallest budget that fits (see launch.plan).",

@@ -14,6 +14,7 @@ round-trip a checkpoint's ``config.json``.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from rollplex_jax.model_config import (  # noqa: F401  (re-exported: the run's config tree in one import)
     DTYPES,
@@ -50,7 +51,9 @@ class DataConfig:
     ``dataset`` is a .jsonl / .json / .parquet file or a directory of parquet files, read through EasyR1's
     column names (``prompt_key``, ``answer_key`` (dotted), ``image_key``, ``video_key``, ``image_dir``,
     ``format_prompt``: ``data/rows.py``); when it is empty, a built-in synthetic task (``synthetic_task``) is
-    written into the workdir as JSONL. ``eval_dataset`` (or a fresh synthetic set) feeds the greedy evaluation.
+    written into the workdir as JSONL. ``val_dataset`` (``eval_dataset`` is its older name; or a fresh synthetic
+    set of ``eval_n`` prompts when training on a synthetic task) feeds validation (``RunConfig.val_*``) and the
+    greedy evaluation at the end.
     Videos are sampled and sized by Qwen2.5-VL's rules (``video_*``; ``data/video_sampling.py``). Rows are
     checked at load time from the rows and the media's headers; pixels are decoded per batch, with
     ``image_cache_mb`` of preprocessed media kept per dataset (``data/image_cache.py``).
@@ -58,6 +61,7 @@ class DataConfig:
 
     dataset: str = ""
     eval_dataset: str = ""
+    val_dataset: str = ""  # validation prompts (EasyR1's data.val_files); eval_dataset is an alias
     synthetic_task: str = "colour"
     synthetic_n: int = 2048
     synthetic_image_size: int = 56
@@ -92,6 +96,9 @@ class DataConfig:
         _require(self.synthetic_video_frames >= 8 and self.synthetic_video_frames % 2 == 0,
                  "data.synthetic_video_frames", self.synthetic_video_frames, "must be even and >= 8")
         _require(self.eval_n >= 0, "data.eval_n", self.eval_n, "must be >= 0")
+        _require(not (self.val_dataset and self.eval_dataset and self.val_dataset != self.eval_dataset),
+                 "data.val_dataset", self.val_dataset,
+                 f"differs from its alias --eval_dataset={self.eval_dataset!r}; pass only one of the two")
         _require(self.image_cache_mb >= 0, "data.image_cache_mb", self.image_cache_mb, "must be >= 0 (0 = no cache)")
         for key in ("prompt_key", "answer_key", "image_key", "video_key"):
             _require(bool(getattr(self, key)), f"data.{key}", getattr(self, key), "must name a column")
@@ -101,6 +108,17 @@ class DataConfig:
         _require(0 < self.video_min_frames <= self.video_max_frames, "data.video_max_frames", self.video_max_frames,
                  f"must be >= video_min_frames={self.video_min_frames} > 0")
         _require(self.video_total_pixels > 0, "data.video_total_pixels", self.video_total_pixels, "must be > 0")
+
+    # --- validation data (issue 18) ---
+    @property
+    def validation_dataset(self) -> str:
+        """The validation file: ``val_dataset``, else its alias ``eval_dataset`` ('' = synthetic or none)."""
+        return self.val_dataset or self.eval_dataset
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether the run has validation prompts: a file, or (training on a synthetic task) ``eval_n`` fresh ones."""
+        return self.eval_n > 0 and bool(self.validation_dataset or not self.dataset)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -152,6 +170,7 @@ class RlConfig:
     reward_timeout_s: float = 10.0
     reward_workers: int = 4
     reward_failure: str = "zero"
+    reward_kwargs: str = ""  # JSON object of keyword arguments for the reward (EasyR1's reward_function_kwargs)
     mini_batches: int = 1
     micro_batch: int = 64
 
@@ -164,12 +183,25 @@ class RlConfig:
         _choice("rl", "kl_mode", self.kl_mode, KL_MODES)
         _require(self.kl_coef >= 0, "rl.kl_coef", self.kl_coef, "must be >= 0")
         _choice("rl", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _require(bool(self.reward), "rl.reward", self.reward, "exact_match, numeric, format or module:function")
+        _require(bool(self.reward), "rl.reward", self.reward,
+                 "a built-in (exact_match, numeric, format, math, r1v, choice) or module:function")
         _require(self.reward_timeout_s > 0, "rl.reward_timeout_s", self.reward_timeout_s, "must be > 0")
         _require(self.reward_workers > 0, "rl.reward_workers", self.reward_workers, "must be > 0")
         _choice("rl", "reward_failure", self.reward_failure, REWARD_FAILURES)
+        try:
+            kwargs = json.loads(self.reward_kwargs) if self.reward_kwargs else {}
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"rl.reward_kwargs={self.reward_kwargs!r} is not JSON ({e}); pass an object such as "
+                              "'{\"format_weight\": 0.1}'") from None
+        _require(isinstance(kwargs, dict), "rl.reward_kwargs", self.reward_kwargs,
+                 "must be a JSON object of keyword arguments, e.g. '{\"format_weight\": 0.1}'")
         _require(self.mini_batches > 0, "rl.mini_batches", self.mini_batches, "must be > 0")
         _require(self.micro_batch > 0, "rl.micro_batch", self.micro_batch, "must be > 0")
+
+    @property
+    def reward_kwargs_dict(self) -> dict:
+        """``reward_kwargs`` parsed ({} when empty)."""
+        return json.loads(self.reward_kwargs) if self.reward_kwargs else {}
 
     @property
     def uses_reference(self) -> bool:
@@ -296,8 +328,17 @@ class RunConfig:
     actor_prefix: str = "residuals"
     resume: bool = False
     progress: bool = True
+    # --- validation during training (issue 18; EasyR1 trainer.val_freq, val_before_train, val_generations_to_log)
+    val_every: int = 0  # steps between validations; 0 = only at the end (finish)
+    val_before_train: bool = False
+    val_temperature: float = 0.0  # 0 = greedy; > 0 sampled with a fixed seed
+    val_generations_to_log: int = 3
 
     def __post_init__(self):
+        _require(self.val_every >= 0, "run.val_every", self.val_every, "must be >= 0 (0 = only at the end)")
+        _require(self.val_temperature >= 0, "run.val_temperature", self.val_temperature, "must be >= 0 (0 = greedy)")
+        _require(self.val_generations_to_log >= 0, "run.val_generations_to_log", self.val_generations_to_log,
+                 "must be >= 0")
         _require(self.steps >= 0, "run.steps", self.steps, "must be >= 0")
         _require(bool(self.workdir), "run.workdir", self.workdir, "must be a non-empty path")
         _choice("run", "schedule", self.schedule, SCHEDULES)
@@ -342,6 +383,11 @@ class Config:
     programs: ProgramConfig = dataclasses.field(default_factory=ProgramConfig)
 
     def __post_init__(self):
+        if (self.run.val_every or self.run.val_before_train) and not self.data.has_validation:
+            run = self.run
+            raise ConfigError(f"run.val_every={run.val_every} (val_before_train={run.val_before_train}) needs "
+                              f"validation prompts: pass --val_dataset (and --eval_n > 0, now {self.data.eval_n}) or "
+                              "train on a synthetic task; or set --val_every=0 --noval_before_train")
         n_rows = self.rl.batch_prompts * self.rollout.group_size
         _require(self.rl.mini_batches <= n_rows, "rl.mini_batches", self.rl.mini_batches,
                  f"must be <= batch_prompts * group_size = {n_rows}")

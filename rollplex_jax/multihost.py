@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from rollplex_contract.batch import Rollouts
+from rollplex_jax.rl.rewards import RewardScores
 
 FINISH = ("stop", "length")
 
@@ -58,6 +59,31 @@ def allgather_rows(x: np.ndarray, procs: Processes) -> np.ndarray:
     pad = np.zeros((int(counts.max()) - x.shape[0], *x.shape[1:]), x.dtype)
     out = multihost_utils.process_allgather(np.concatenate([x, pad]))  # [count, max, ...]
     return np.concatenate([out[i, :int(c)] for i, c in enumerate(counts)])
+
+
+def allgather_strings(strings: list[str], procs: Processes) -> list[str]:
+    """Every process's ``strings`` concatenated in process order (UTF-8 bytes all-gathered with their lengths)."""
+    if not procs.many:
+        return list(strings)
+    blobs = [s.encode() for s in strings]
+    if not allgather_rows(np.array([len(blobs)], np.int64), procs).sum():  # no empty collectives below
+        return []
+    sizes = allgather_rows(np.array([len(b) for b in blobs], np.int64), procs)
+    data = allgather_rows(np.frombuffer(b"".join(blobs), np.uint8), procs).tobytes() if sizes.sum() else b""
+    ends = np.cumsum(sizes)
+    return [data[e - n:e].decode() for e, n in zip(ends.tolist(), sizes.tolist(), strict=True)]
+
+
+def gather_scores(scores: RewardScores, procs: Processes) -> RewardScores:
+    """The whole batch's reward scores from each process's share (parts: the union of every process's names, 0
+    where a process had none of that part), failures summed."""
+    if not procs.many:
+        return scores
+    names = sorted(set(allgather_strings(sorted(scores.parts), procs)))
+    zeros = np.zeros_like(scores.overall)
+    cols = allgather_rows(np.stack([scores.overall, *(scores.parts.get(k, zeros) for k in names)], -1), procs)
+    failures = int(allgather_rows(np.array([scores.failures], np.int64), procs).sum())
+    return RewardScores(cols[:, 0], {k: cols[:, i + 1] for i, k in enumerate(names)}, failures)
 
 
 def gather_rollouts(ro: Rollouts, max_new_tokens: int, pad_id: int, procs: Processes) -> Rollouts:

@@ -1,7 +1,9 @@
 """Run outputs (a contract: tests, benchmarks and notebooks read these; ARCHITECTURE.md "Run outputs").
 
-<workdir>/metrics.jsonl (one object per step), TensorBoard event files (every metric as a
-scalar), run_summary.json, plots/reward.png. Also the helpers notebooks draw with: ``metrics_columns``,
+<workdir>/metrics.jsonl (one object per step; validation's val/* join the row of the step they ran at,
+and a validation before training is a row of step 0 with only val/*), TensorBoard event files (every
+metric as a scalar), run_summary.json, plots/reward.png, val_generations.jsonl (validation.py).
+Also the helpers notebooks draw with: ``metrics_columns``,
 ``draw_reward`` (into a matplotlib Axes), ``memory_by_phase`` and ``draw_memory``.
 """
 
@@ -26,16 +28,37 @@ class MetricsWriter:
         self.path = os.path.join(workdir, "metrics.jsonl")
         kept = [r for r in read_metrics(workdir) if r["step"] <= keep_steps] if keep_steps and \
             os.path.exists(self.path) else []
+        self._last: tuple[int, int, dict] | None = None  # (file offset, step, row) of the last row
         with open(self.path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+            for r in kept:
+                self._last = (f.tell(), r["step"], r)
+                f.write(json.dumps(r) + "\n")
         os.replace(self.path + ".tmp", self.path)
         self._file = open(self.path, "a")
         self._tb = SummaryWriter(logdir=os.path.join(workdir, "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._last = (self._file.tell(), step, row)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        self._scalars(step, metrics)
+
+    def amend(self, step: int, metrics: dict[str, float]) -> None:
+        """Adds ``metrics`` to the row of ``step`` when it is the last one written, else writes a new row."""
+        if self._last is None or self._last[1] != step:
+            self.write(step, metrics)
+            return
+        offset, _, row = self._last
+        row = {**row, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._file.truncate(offset)
+        self._file.seek(offset)
+        self._last = (offset, step, row)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        self._scalars(step, metrics)
+
+    def _scalars(self, step: int, metrics: dict) -> None:
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
                 self._tb.add_scalar(k, v, step)
@@ -102,9 +125,12 @@ def draw_reward(ax, rows: list[dict], window: int = 20, *, eval_accuracy: float 
     """Draws the reward curve of metrics rows into a matplotlib Axes (what ``plot_reward`` saves).
 
     Mean reward of each step's B x G answers, a moving average (``window`` steps, shortened for short
-    runs), the steps whose update was skipped for lack of signal, and the greedy accuracy on held-out
+    runs), the steps whose update was skipped for lack of signal, the validation reward (``val/reward_score``:
+    one answer per held-out prompt) at the steps it ran when there is one, and the greedy accuracy on held-out
     prompts at the last step when ``eval_accuracy`` is given.
     """
+    val = [(r["step"], _as_float(r["val/reward_score"])) for r in rows if "val/reward_score" in r]
+    rows = [r for r in rows if "reward/mean" in r]  # a validation before training is a row without it
     steps = np.array([r["step"] for r in rows], float)
     reward = np.array([_as_float(r.get("reward/mean")) for r in rows], float)
     few = len(steps) <= 30
@@ -117,10 +143,13 @@ def draw_reward(ax, rows: list[dict], window: int = 20, *, eval_accuracy: float 
     skipped = [r["step"] for r in rows if r.get("skipped_steps/no_signal")]
     if skipped:
         ax.plot(skipped, np.full(len(skipped), -0.03), "|", color="grey", label="no-signal step (update skipped)")
+    if val:
+        ax.plot([v[0] for v in val], [v[1] for v in val], "s-", ms=4, lw=1.2, color="tab:green", zorder=4,
+                label="validation reward (one answer per held-out prompt)")
     if eval_accuracy is not None and len(steps):
         ax.plot([steps[-1]], [eval_accuracy], "*", ms=12, color="tab:red", zorder=5,
                 label=f"greedy accuracy on held-out prompts ({eval_accuracy:.2f})")
-    values = reward[np.isfinite(reward)]
+    values = np.concatenate([reward[np.isfinite(reward)], [v[1] for v in val if math.isfinite(v[1])]])
     if eval_accuracy is not None:
         values = np.append(values, eval_accuracy)
     if values.size == 0 or (values.min() >= 0.0 and values.max() <= 1.0):
@@ -130,7 +159,7 @@ def draw_reward(ax, rows: list[dict], window: int = 20, *, eval_accuracy: float 
     if title:
         ax.set_title(title)
     ax.grid(alpha=0.3)
-    if len(steps):
+    if len(steps) or val:
         ax.legend(loc="best", fontsize=8)
     else:
         ax.text(0.5, 0.5, "no steps yet", transform=ax.transAxes, ha="center")

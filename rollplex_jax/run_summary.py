@@ -16,7 +16,7 @@ from rollplex_contract.layout import SharingReport
 
 def reward_summary(history: list[dict]) -> dict:
     """Final, first-10 and last-20 mean rewards, and the skipped-update counts, of a run's metrics rows."""
-    rewards = [h["reward/mean"] for h in history]
+    rewards = [h["reward/mean"] for h in history if "reward/mean" in h]  # not a validation-only row (step 0)
     return {
         "reward/mean": float(rewards[-1]) if rewards else None,
         "reward/first10_mean": float(np.mean(rewards[:10])) if rewards else None,

@@ -3,7 +3,7 @@
     runner = Runner(config)          # builds tokenizer, data, params, engine, programs (no global state)
     for metrics in runner.run(10):   # yields each step's metrics (also written to <workdir>)
         ...
-    summary = runner.finish()        # greedy evaluation, run_summary.json, plots
+    summary = runner.finish()        # validation + greedy evaluation, run_summary.json, plots
 
 Each phase is one call into ``scheduler``; building a run is ``run_setup``, its memory policy and
 report ``run_memory``, its summary fields ``run_summary``. This module wires them, runs the loop and
@@ -13,6 +13,7 @@ writes outputs. From a flagfile: ``launch.api.runner_from_flagfile`` (flag parsi
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import numpy as np
 
 from rollplex_contract.batch import Rollouts
 from rollplex_jax import mesh as mesh_lib
-from rollplex_jax import multihost, outputs, run_memory, run_setup, run_summary, scheduler
+from rollplex_jax import multihost, outputs, run_memory, run_setup, run_summary, scheduler, validation
 from rollplex_jax.checkpoint import Checkpointer
 from rollplex_jax.config import Config, ConfigError
 from rollplex_jax.data import dataset as data_lib
@@ -76,9 +77,10 @@ class Runner:
         self.tokenizer = run_setup.tokenizer(cfg)
         load = lambda *a: run_setup.load_split(cfg, self.tokenizer, self.workdir, self.procs, *a, log=self.log)  # noqa: E731
         self.train_set, self.train_report = load("train", cfg.data.dataset, cfg.data.synthetic_n, cfg.run.seed)
-        self.eval_set = None
-        if cfg.data.eval_n > 0 and (cfg.data.eval_dataset or not cfg.data.dataset):
-            self.eval_set, _ = load("eval", cfg.data.eval_dataset, cfg.data.eval_n, cfg.run.seed + 1_000_003)
+        self.eval_set = None  # validation prompts (--val_dataset, or synthetic ones)
+        if cfg.data.has_validation:
+            self.eval_set, _ = load("eval", cfg.data.validation_dataset, cfg.data.eval_n, cfg.run.seed + 1_000_003)
+        self.last_validation: validation.Validation | None = None
         self.sampler = data_lib.PromptSampler(len(self.train_set), cfg.rl.batch_prompts, cfg.run.seed)
         self.lengths = run_memory.data_lengths(cfg, self.train_set)
 
@@ -100,8 +102,13 @@ class Runner:
         cfg = self.cfg
         self.engine = run_setup.make_engine(cfg)
         self.meter = MemoryMeter(cfg.memory.measure_memory, engine_bytes=self._engine_own_bytes)
-        self.reward = RewardRunner(resolve_reward_fn(cfg.rl.reward), timeout_s=cfg.rl.reward_timeout_s,
-                                   max_workers=cfg.rl.reward_workers, on_failure=cfg.rl.reward_failure)
+        fn, kwargs = resolve_reward_fn(cfg.rl.reward), cfg.rl.reward_kwargs_dict
+        try:
+            self.reward = RewardRunner(functools.partial(fn, **kwargs) if kwargs else fn,
+                                       timeout_s=cfg.rl.reward_timeout_s, max_workers=cfg.rl.reward_workers,
+                                       on_failure=cfg.rl.reward_failure)
+        except ValueError as e:
+            raise ConfigError(f"--reward={cfg.rl.reward!r} (--reward_kwargs={cfg.rl.reward_kwargs!r}): {e}") from None
         split = None
         if cfg.run.schedule == "rollplex":
             split = make_split_programs(cfg.model, cfg.rl, cfg.programs)
@@ -175,6 +182,9 @@ class Runner:
         """Runs ``steps`` more steps (default: up to cfg.run.steps), yielding each step's metrics."""
         target = self.cfg.run.steps if steps is None else self.step + steps
         bar = _progress_bar(target - self.step) if self.cfg.run.progress and target > self.step else None
+        if self.step == 0 and self.cfg.run.val_before_train and self.eval_set and \
+                not any(r["step"] == 0 for r in self.history):
+            self._record(0, self.validate())
         try:
             while self.step < target and not multihost.any_process(self._stop_requested, self.procs):
                 metrics = self.train_step()
@@ -194,7 +204,7 @@ class Runner:
         step_fn = scheduler.rollplex_step if self.cfg.run.schedule == "rollplex" else scheduler.serial_step
         with self.mesh_scope():
             result = step_fn(self.ctx, self.state, prompts, [e.answer for e in batch], seed=self._seed(self.step),
-                             step=self.step, tracer=self.tracer)
+                             step=self.step, tracer=self.tracer, extras=[getattr(e, "extra", {}) for e in batch])
         self.state, self.last, self.last_prompts = result.state, result, batch
         self.step += 1
         metrics = dict(result.metrics)
@@ -207,6 +217,9 @@ class Runner:
             prev = self.history[-1].get(key + "_total", 0.0) if self.history else 0.0
             metrics[key + "_total"] = prev + metrics.get(key, 0.0)
         metrics.update(self.meter.step_metrics())
+        every = self.cfg.run.val_every
+        if every and self.step % every == 0 and self.eval_set:
+            metrics.update(self.validate())
         self.writer.write(self.step, metrics)
         self.history.append({"step": self.step, **metrics})
         every = self.cfg.checkpoint.every
@@ -246,34 +259,55 @@ class Runner:
     def _seed(self, step: int) -> int:
         return self.cfg.run.seed * 1_000_003 + step
 
-    # --- evaluation and summary --------------------------------------------------------------------
-    def evaluate(self) -> dict:
-        """Greedy decoding on the held-out prompts; accuracy = fraction with reward 1."""
+    # --- validation, evaluation and summary (validation.py) ----------------------------------------
+    def validate(self, *, temperature: float | None = None, log_generations: bool = True) -> dict:
+        """Validation now: one answer per held-out prompt (each process its share), greedy at ``--val_temperature=0``
+        else sampled with the run's fixed validation seed; returns the ``val/*`` metrics ({} without prompts) and
+        logs the first ``--val_generations_to_log`` answers. ``temperature`` overrides ``--val_temperature``."""
         if not self.eval_set:
             return {}
-        correct, n = 0.0, 0
-        bs = self.cfg.rollout.max_batch
-        mine = multihost.share(len(self.eval_set), self.procs.index, self.procs.count)  # each process its share
-        local = self.eval_set[mine]
-        for i in range(0, len(local), bs):
-            chunk = local[i:i + bs]
-            prompts = data_lib.collate(chunk, self.tokenizer.pad_id)
-            with self.mesh_scope():
-                ro = scheduler.sample(self.ctx, self.state.params, prompts, n=1, seed=0, greedy=True)
-            texts = scheduler.response_texts(ro, self.tokenizer.decode, self.ctx.stop_ids)
-            r, _ = self.reward([t[0] for t in texts], [e.answer for e in chunk])
-            correct += float(np.sum(np.asarray(r) >= 1.0))
-            n += len(chunk)
-        correct, n = multihost.allgather_rows(np.array([correct, n], np.float64)[None], self.procs).sum(0)
-        return {"eval/greedy_accuracy": float(correct / n), "eval/n": int(n)}
+        r = self.cfg.run
+        t = r.val_temperature if temperature is None else float(temperature)
+        v = validation.validate(self.ctx, self.state.params, self.eval_set, self.reward, step=self.step,
+                                pad_id=self.tokenizer.pad_id, temperature=t, seed=validation.val_seed(r.seed),
+                                n_log=r.val_generations_to_log if log_generations else 0, scope=self.mesh_scope)
+        if self.procs.writer:
+            validation.write_generations(self.workdir, v.generations, self.log)
+        self.last_validation = v
+        return dict(v.metrics)
+
+    def evaluate(self) -> dict:
+        """Greedy validation on the held-out prompts: ``eval/greedy_accuracy`` (= its ``val/accuracy``) and
+        ``eval/n``; the last validation when it was greedy at this step, else a new one."""
+        if not self.eval_set:
+            return {}
+        v = self.last_validation
+        m = v.metrics if v is not None and (v.step, v.temperature) == (self.step, 0.0) else \
+            self.validate(temperature=0.0, log_generations=False)
+        return {"eval/greedy_accuracy": m["val/accuracy"], "eval/n": int(m["val/n"])}
+
+    def _record(self, step: int, metrics: dict) -> None:
+        """Adds ``metrics`` to the row of ``step`` (metrics.jsonl and history): that row when it is the last one,
+        else a new row."""
+        self.writer.amend(step, metrics)
+        if self.history and self.history[-1]["step"] == step:
+            self.history[-1].update(metrics)
+        else:
+            self.history.append({"step": step, **metrics})
 
     def finish(self) -> dict:
-        """Evaluates, writes run_summary.json and plots, saves a final checkpoint; returns the summary."""
+        """Validates at the final step (unless it just did), evaluates greedily, writes run_summary.json and plots,
+        saves a final checkpoint; returns the summary."""
+        val = {}
+        if self.eval_set:
+            v = self.last_validation
+            val = v.metrics if v is not None and v.step == self.step else self.validate()
+            self._record(self.step, val)
         ev = self.evaluate()
         self.save()
         summary = {"config": self.cfg.to_dict(), "versions": run_summary.versions(),
                    "device_kind": jax.devices()[0].device_kind, "steps_done": self.step,
-                   **run_summary.reward_summary(self.history), **ev, "params_sha256": self.params_sha256(),
+                   **run_summary.reward_summary(self.history), **ev, **val, "params_sha256": self.params_sha256(),
                    "weight_sharing": run_summary.sharing_summary(self.ctx.publisher.report(), self.procs.count),
                    "memory": self.memory_report(), "data": {"train": self.train_report.to_dict()},
                    "wall_s": time.perf_counter() - self._t0}
@@ -405,6 +439,9 @@ class _NoWriter:
     """Metrics sink of processes other than 0 (process 0 writes metrics.jsonl and TensorBoard)."""
 
     def write(self, step: int, metrics: dict) -> None:
+        pass
+
+    def amend(self, step: int, metrics: dict) -> None:
         pass
 
     def close(self) -> None:

@@ -26,12 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from rollplex_contract.batch import Engine, Prompts, Rollouts, SamplingParams
+from rollplex_jax import step_metrics
 from rollplex_jax.config import Config
-from rollplex_jax.multihost import Processes, allgather_rows, gather_rollouts, share
+from rollplex_jax.multihost import Processes, gather_rollouts, gather_scores, share
 from rollplex_jax.programs.actor import Programs
 from rollplex_jax.programs.sequences import mini_batch_rows, select_rows
 from rollplex_jax.rl import advantages as adv_lib
 from rollplex_jax.rl import losses
+from rollplex_jax.rl.rewards import RewardScores
 from rollplex_jax.rollplex_ops import RollplexOps
 from rollplex_jax.sharing import WeightPublisher
 from rollplex_jax.step_ops import Ops, SerialOps
@@ -51,13 +53,15 @@ class TrainState:
 
 @dataclasses.dataclass
 class StepContext:
-    """What a step needs besides the state: config, programs, engine, reward function, decoder."""
+    """What a step needs besides the state: config, programs, engine, reward function, decoder.
+
+    ``reward_fn(responses, answers, extras, response_lengths=...) -> RewardScores`` (a ``RewardRunner``)."""
 
     cfg: Config
     programs: Programs
     engine: Engine
     publisher: WeightPublisher
-    reward_fn: Callable[[list[str], list[str]], tuple[np.ndarray, int]]
+    reward_fn: Callable[..., RewardScores]
     decode: Callable[[list[int]], str]
     stop_ids: tuple[int, ...]
     split: Any = None  # programs.split.SplitPrograms, for --schedule=rollplex
@@ -94,7 +98,8 @@ class StepResult:
     metrics: dict[str, float]
     rollouts: Rollouts
     texts: list[list[str]]
-    rewards: np.ndarray
+    rewards: np.ndarray  # [B, G] overall scores
+    reward_parts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # {part: [B, G]}
 
 
 def response_texts(rollouts: Rollouts, decode, stop_ids) -> list[list[str]]:
@@ -112,16 +117,19 @@ def response_texts(rollouts: Rollouts, decode, stop_ids) -> list[list[str]]:
 
 
 def sample(ctx: StepContext, params: dict, prompts: Prompts, *, n: int, seed: int, greedy: bool = False,
-           tracer: Tracer | None = None, step: int = 0, during_decode=None, first_prompt: int = 0) -> Rollouts:
+           tracer: Tracer | None = None, step: int = 0, during_decode=None, first_prompt: int = 0,
+           temperature: float | None = None) -> Rollouts:
     """Rollout under ``params``: publish (bind views), generate, release (so params may be donated).
 
     ``during_decode()`` is called after binding and before decoding: the Rollplex schedule dispatches
     its prefix programs there so that XLA computes them while torch decodes. ``first_prompt``: the
     index of ``prompts``' first row in the step's batch (each answer's sampling is seeded by its
     prompt's index in the batch, so a process decoding a share samples what one process would).
+    ``temperature``: instead of ``--temperature`` (validation's ``--val_temperature``); ``greedy`` wins.
     """
     r = ctx.cfg.rollout
-    sp = SamplingParams(temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+    temp = 0.0 if greedy else r.temperature if temperature is None else temperature
+    sp = SamplingParams(temperature=temp, top_p=r.top_p, top_k=r.top_k,
                         max_new_tokens=r.max_new_tokens, stop_token_ids=ctx.stop_ids, seed=seed,
                         first_prompt=first_prompt)
     tracer = tracer or Tracer()
@@ -137,78 +145,81 @@ def sample(ctx: StepContext, params: dict, prompts: Prompts, *, n: int, seed: in
             ctx.publisher.release()
 
 
-def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], seed: int,
+def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], extras, seed: int,
                          tracer: Tracer, step: int, during_decode=None):
-    """G answers per prompt under theta_k (see ``sample``), then their rewards. With several processes
-    each decodes and rewards its share of the prompts, then all gather the whole batch."""
+    """G answers per prompt under theta_k (see ``sample``), then their rewards (``RewardScores`` over the B x G
+    answers, prompt-major). With several processes each decodes and rewards its share of the prompts, then all
+    gather the whole batch (rollouts, overall scores and parts, failures)."""
     g, procs = ctx.cfg.rollout.group_size, ctx.procs
     mine = share(prompts.batch_size, procs.index, procs.count)
     local = select_rows(ctx.cfg.model, prompts, np.arange(mine.start, mine.stop)) if procs.many else prompts
     rollouts = sample(ctx, state.params, local, n=g, seed=seed, tracer=tracer, step=step,
                       during_decode=during_decode, first_prompt=mine.start)
-    b = rollouts.response_ids.shape[0]
+    extras = [{}] * len(answers) if extras is None else extras
     with tracer.span("rewards", "reward", step):
         texts = response_texts(rollouts, ctx.decode, ctx.stop_ids)
-        flat, failures = ctx.reward_fn([t for row in texts for t in row],
-                                       [a for a in answers[mine] for _ in range(g)])
-        rewards = np.asarray(flat, np.float32).reshape(b, g)
+        scores = ctx.reward_fn([t for row in texts for t in row], [a for a in answers[mine] for _ in range(g)],
+                               [x for x in extras[mine] for _ in range(g)],
+                               response_lengths=np.asarray(rollouts.lengths).reshape(-1).tolist())
     if procs.many:
         with tracer.span("host", "gather", step):
             rollouts = gather_rollouts(rollouts, ctx.cfg.rollout.max_new_tokens, ctx.cfg.model.pad_token_id, procs)
-            rewards = allgather_rows(rewards, procs)
-            failures = int(allgather_rows(np.array([failures], np.int64), procs).sum())
+            scores = gather_scores(scores, procs)
             texts = response_texts(rollouts, ctx.decode, ctx.stop_ids)
-    return rollouts, texts, rewards, failures
+    return rollouts, texts, scores
 
 
 def serial_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], *, seed: int,
-                step: int = 0, tracer: Tracer | None = None) -> StepResult:
-    """One synchronous on-policy step, the classic way (the baseline and the equivalence oracle)."""
+                step: int = 0, tracer: Tracer | None = None, extras: list[dict] | None = None) -> StepResult:
+    """One synchronous on-policy step, the classic way (the baseline and the equivalence oracle). ``extras``: each
+    prompt's extra columns (``Example.extra``), passed to the reward function."""
     tracer = tracer or Tracer()
     t0 = time.perf_counter()
-    rollouts, texts, rewards, failures = _rollout_and_rewards(ctx, state, prompts, answers, seed, tracer, step)
+    rollouts, texts, scores = _rollout_and_rewards(ctx, state, prompts, answers, extras, seed, tracer, step)
     _mark(ctx, "rollout", state.params, state.opt_state, state.ref_params)
     ops = SerialOps(ctx.cfg, ctx.programs, state.ref_params, prompts, rollouts, tracer, step)
-    return _learn(ctx, state, ops, rollouts, texts, rewards, failures, tracer, step, t0)
+    return _learn(ctx, state, ops, prompts, rollouts, texts, scores, tracer, step, t0)
 
 
 def rollplex_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], *, seed: int,
-                  step: int = 0, tracer: Tracer | None = None) -> StepResult:
+                  step: int = 0, tracer: Tracer | None = None, extras: list[dict] | None = None) -> StepResult:
     """One step of the Rollplex schedule: the same update as ``serial_step`` (tested), computed through the
     prefix/suffix split, with the prefix programs dispatched before decoding when ``--overlap``."""
     tracer = tracer or Tracer()
     t0 = time.perf_counter()
     ops = RollplexOps(ctx.cfg, ctx.split, ctx.programs.accumulate, state, prompts, tracer, step, version=step)
     overlap = ctx.cfg.run.overlap
-    rollouts, texts, rewards, failures = _rollout_and_rewards(
-        ctx, state, prompts, answers, seed, tracer, step, during_decode=ops.dispatch if overlap else None)
+    rollouts, texts, scores = _rollout_and_rewards(
+        ctx, state, prompts, answers, extras, seed, tracer, step, during_decode=ops.dispatch if overlap else None)
     if not overlap:
         ops.dispatch()
     ops.wait_prefix()
     _mark(ctx, "rollout", state.params, state.opt_state, state.ref_params, ops)
     ops.set_rollouts(rollouts)
-    result = _learn(ctx, state, ops, rollouts, texts, rewards, failures, tracer, step, t0)
+    result = _learn(ctx, state, ops, prompts, rollouts, texts, scores, tracer, step, t0)
     ops.drop()
     return result
 
 
-def _learn(ctx: StepContext, state: TrainState, ops: Ops, rollouts: Rollouts, texts, rewards, failures, tracer, step,
-           t0) -> StepResult:
+def _learn(ctx: StepContext, state: TrainState, ops: Ops, prompts: Prompts, rollouts: Rollouts, texts,
+           scores: RewardScores, tracer, step, t0) -> StepResult:
     """Reference scoring, advantages, and the mini-batch updates, for either schedule's ``ops``."""
     cfg = ctx.cfg
     b, g, tr = rollouts.response_ids.shape
+    rewards = scores.overall.reshape(b, g)
+    parts = {k: v.reshape(b, g) for k, v in scores.parts.items()}
     ref_logp = ops.ref_logp() if cfg.rl.uses_reference else None
     _mark(ctx, "score", state.params, state.opt_state, state.ref_params, ops)
     ops.after_ref()
-    scores = jnp.asarray(rewards)
+    penalized = jnp.asarray(rewards)
     mask = jnp.asarray(rollouts.mask.reshape(b * g, tr))
     if cfg.rl.kl_mode == "reward" and ref_logp is not None:
         old = ops.logp(state.params)
-        scores = losses.kl_penalized_rewards(scores, old.reshape(b, g, tr), ref_logp.reshape(b, g, tr),
-                                             mask.reshape(b, g, tr), cfg.rl.kl_coef, cfg.rl.kl_estimator)
-    adv = adv_lib.compute_advantages(scores, cfg.rl.advantage, norm_by_std=cfg.rl.norm_by_std)
-    metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-               "reward/failures": float(failures), "response_length/mean": float(rollouts.lengths.mean()),
+        penalized = losses.kl_penalized_rewards(penalized, old.reshape(b, g, tr), ref_logp.reshape(b, g, tr),
+                                                mask.reshape(b, g, tr), cfg.rl.kl_coef, cfg.rl.kl_estimator)
+    adv = adv_lib.compute_advantages(penalized, cfg.rl.advantage, norm_by_std=cfg.rl.norm_by_std)
+    metrics = {**step_metrics.reward_metrics(rewards, parts, scores.failures),
+               **step_metrics.length_metrics(cfg.model, prompts, rollouts),
                "response/stop_frac": float(np.mean([r == "stop" for row in rollouts.finish_reasons for r in row]))}
     # No signal: every advantage is zero, or every answer is empty -> no optimizer step at all
     # (a zero gradient would still move AdamW's params through its moments).
@@ -222,10 +233,9 @@ def _learn(ctx: StepContext, state: TrainState, ops: Ops, rollouts: Rollouts, te
         new_state, train_metrics = _train(ctx, state, ops, adv.reshape(b * g), mask, ref_logp, tracer, step)
         metrics.update(train_metrics)
         metrics["skipped_steps/no_signal"] = 0.0
-    for name, secs in tracer.phase_totals(step).items():
-        metrics[f"time/{name}_s"] = secs
-    metrics["time/step_s"] = time.perf_counter() - t0
-    return StepResult(new_state, metrics, rollouts, texts, rewards)
+    metrics.update(step_metrics.timing_metrics(tracer.phase_totals(step), time.perf_counter() - t0,
+                                               step_metrics.total_tokens(prompts, rollouts), jax.device_count()))
+    return StepResult(new_state, metrics, rollouts, texts, rewards, parts)
 
 
 def should_update(advantages, lengths) -> bool:

@@ -46,3 +46,69 @@ def hang_raise_or_one(response: str, answer: str) -> float:
     if n % 4 == 1:
         raise RuntimeError(f"verifier crashed on call {n}")
     return 1.0
+
+
+# --- the frameworks' forms (rollplex_jax/rl/reward_calls.py), for tests/rl/test_graders.py -----------------
+def verl_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's custom compute_score: a dict with "score" and parts, plus a non-numeric entry verl allows."""
+    acc = float(solution_str.strip() == ground_truth.strip())
+    bonus = float((extra_info or {}).get("bonus", 0.0))
+    return {"score": acc + bonus, "acc": acc, "pred": solution_str, "from_source": float(data_source == "geo3k")}
+
+
+def verl_no_extra_info(data_source, solution_str, ground_truth):
+    """verl form without extra_info: the runner must not pass it."""
+    return float(solution_str == ground_truth)
+
+
+def easyr1_sequential(reward_input):
+    """EasyR1 SequentialFunctionRewardManager form: one dict in, a score dict with "overall" out."""
+    acc = float(reward_input["response"] == reward_input["ground_truth"])
+    return {"overall": acc, "accuracy": acc, "length": float(reward_input["response_length"]),
+            "kind": reward_input.get("problem_type", "none")}
+
+
+_batch_calls = []
+
+
+def easyr1_batch(reward_inputs, format_weight=0.5):
+    """EasyR1 BatchFunctionRewardManager form: the whole batch in one call; records each call's size."""
+    _batch_calls.append(len(reward_inputs))
+    out = []
+    for x in reward_inputs:
+        acc = float(x["response"] == x["ground_truth"])
+        fmt = float(x["response"].startswith("<"))
+        out.append({"overall": (1 - format_weight) * acc + format_weight * fmt, "format": fmt, "accuracy": acc,
+                    "tokens": float(x["response_length"])})
+    return out
+
+
+def easyr1_batch_wrong_length(reward_inputs):
+    return [1.0] * (len(reward_inputs) + 1)
+
+
+def easyr1_batch_bad_item(reward_inputs):
+    """A bad score for responses "bad" only: that answer fails, the others count."""
+    return ["oops" if x["response"] == "bad" else 1.0 for x in reward_inputs]
+
+
+def returns_list(response, answer):
+    """A bad return type (a list): the runner counts a failure naming what a reward may return."""
+    return [1.0]
+
+
+def dict_without_score(response, answer):
+    return {"accuracy": 1.0}
+
+
+def three_required(response, answer, rubric):
+    """Fits none of the forms: refused when the runner is built."""
+    return 1.0
+
+
+
+def varied_parts(reward_inputs):
+    """EasyR1 batch form of launch.bench_reward.varied_reward (len(response) % 2: variance in every group), with
+    parts, so that a multi-process run gathers parts and their names (tests/test_multiprocess.py)."""
+    return [{"overall": float(len(x["response"]) % 2), "parity": float(len(x["response"]) % 2),
+             "tokens": float(x["response_length"])} for x in reward_inputs]

@@ -21,10 +21,10 @@ import pytest
 
 from tests.paths import REPO
 
-SKIP = ("time/", "memory/")
+SKIP = ("time/", "memory/", "timing_s/", "perf/time_per_step", "perf/throughput")  # wall clock, live memory
 FLAGS = ["--flagfile=configs/tiny_cpu.flags", "--steps=2", "--train_fsdp=2", "--train_tp=2", "--batch_prompts=4",
          "--group_size=4", "--micro_batch=8", "--synthetic_n=64", "--eval_n=16", "--checkpoint_every=1",
-         "--noprogress", "--reward=launch.bench_reward:varied_reward"]
+         "--noprogress", "--reward=tests.reward_fns:varied_parts", "--val_generations_to_log=10"]
 
 
 def _env(devices: int) -> dict:
@@ -73,6 +73,10 @@ def test_two_processes_train_exactly_like_one(runs):
     assert multi[0]["eval/greedy_accuracy"] == single["eval/greedy_accuracy"]
     m1, m2 = _metrics(one), _metrics(two)
     assert len(m1) == len(m2) == 2  # written once, by process 0
+    assert {"reward/parity", "reward/tokens", "val/reward/parity", "val/accuracy"} <= set(m2[-1])  # parts gathered
+    # the first 10 validation answers: 8 decoded by process 0, 2 by process 1, gathered in order
+    gens = [(tmp / "val_generations.jsonl").read_text() for tmp in (one, two)]
+    assert gens[0] == gens[1] and len(gens[0].splitlines()) == 10
     for a, b in zip(m1, m2, strict=True):
         for k in a:
             if not k.startswith(SKIP):

@@ -48,8 +48,10 @@ def test_from_flagfile_errors_name_the_problem():
 
 
 def _comparable(rows):
-    # time/* is wall clock; memory/* is live device memory of the process, which two runners share.
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
+    # time/*, timing_s/* and perf/ rates are wall clock; memory/* is live device memory of the process, which two
+    # runners share.
+    skip = ("time/", "timing_s/", "perf/time_per_step", "perf/throughput", "memory/")
+    return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows]
 
 
 def test_two_runners_interleave_and_match_their_solo_runs(tmp_path):

@@ -101,17 +101,17 @@ def test_resolve_errors_name_spec_and_fix(spec, match):
 def test_runner_keeps_input_order():
     fn = resolve_reward_fn("reward_fixtures:staggered")  # later samples finish first
     with RewardRunner(fn, timeout_s=5.0, max_workers=4) as runner:
-        rewards, failures = runner([str(i) for i in range(10)], [""] * 10)
-    assert rewards.dtype == np.float32 and failures == 0
-    np.testing.assert_array_equal(rewards, np.arange(10, dtype=np.float32))
+        scores = runner([str(i) for i in range(10)], [""] * 10)
+    assert scores.overall.dtype == np.float32 and scores.failures == 0 and scores.parts == {}
+    np.testing.assert_array_equal(scores.overall, np.arange(10, dtype=np.float32))
 
 
 def test_runner_raising_fn_counts_failure():
     fn = resolve_reward_fn("reward_fixtures:raising")
     with RewardRunner(fn, timeout_s=5.0, max_workers=2) as runner:
-        rewards, failures = runner(["ok", "bad", "ok"], ["", "", ""])
-    np.testing.assert_array_equal(rewards, [1.0, 0.0, 1.0])
-    assert failures == 1
+        s = runner(["ok", "bad", "ok"], ["", "", ""])
+    np.testing.assert_array_equal(s.overall, [1.0, 0.0, 1.0])
+    assert s.failures == 1
 
 
 def test_runner_raise_mode_names_sample_and_cause():
@@ -126,23 +126,23 @@ def test_runner_bad_return_values():
     fn = resolve_reward_fn("reward_fixtures:returns")
     responses = ["nan", "np", "inf", "str", "bool", "none", "np0d", "int"]
     with RewardRunner(fn, timeout_s=5.0, max_workers=3) as runner:
-        rewards, failures = runner(responses, [""] * len(responses))
-    np.testing.assert_array_equal(rewards, [0.0, 0.5, 0.0, 0.0, 1.0, 0.0, 0.25, 2.0])
-    assert failures == 4
+        s = runner(responses, [""] * len(responses))
+    np.testing.assert_array_equal(s.overall, [0.0, 0.5, 0.0, 0.0, 1.0, 0.0, 0.25, 2.0])
+    assert s.failures == 4
 
 
 def test_runner_timeout_does_not_block():
     fn = resolve_reward_fn("reward_fixtures:sleep_if_hang")  # "hang" sleeps 1.5 s
     runner = RewardRunner(fn, timeout_s=0.2, max_workers=2)
     start = time.monotonic()
-    rewards, failures = runner(["ok", "hang", "ok", "ok", "ok"], [""] * 5)
+    s = runner(["ok", "hang", "ok", "ok", "ok"], [""] * 5)
     assert time.monotonic() - start < 1.0
-    np.testing.assert_array_equal(rewards, [1.0, 0.0, 1.0, 1.0, 1.0])
-    assert failures == 1
+    np.testing.assert_array_equal(s.overall, [1.0, 0.0, 1.0, 1.0, 1.0])
+    assert s.failures == 1
     # The hung thread still runs; the runner goes on with a fresh pool.
-    rewards, failures = runner(["ok", "ok", "ok"], [""] * 3)
-    np.testing.assert_array_equal(rewards, [1.0, 1.0, 1.0])
-    assert failures == 0
+    s = runner(["ok", "ok", "ok"], [""] * 3)
+    np.testing.assert_array_equal(s.overall, [1.0, 1.0, 1.0])
+    assert s.failures == 0
     runner.close()
     with pytest.raises(RuntimeError, match="closed"):
         runner(["ok"], [""])
@@ -160,11 +160,11 @@ def test_runner_timeout_raise_mode():
 
 def test_runner_with_builtin_and_edge_cases():
     with RewardRunner(numeric, timeout_s=1.0, max_workers=8) as runner:
-        rewards, failures = runner(["<answer>4</answer>", "5", "x"], ["4", "4", "4"])
-        np.testing.assert_array_equal(rewards, [1.0, 0.0, 0.0])
-        assert failures == 0
-        empty, failures = runner([], [])
-        assert empty.shape == (0,) and failures == 0
+        s = runner(["<answer>4</answer>", "5", "x"], ["4", "4", "4"])
+        np.testing.assert_array_equal(s.overall, [1.0, 0.0, 0.0])
+        assert s.failures == 0
+        s = runner([], [])
+        assert s.overall.shape == (0,) and s.failures == 0
         with pytest.raises(ValueError, match="2 responses but 1 answers"):
             runner(["a", "b"], ["a"])
 

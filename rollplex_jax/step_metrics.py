@@ -1,0 +1,79 @@
+"""The per-step metrics a verl / EasyR1 user looks for, as pure functions of a step's batch (host numpy).
+
+Why a module: the names are a contract with users' dashboards (EasyR1 ``verl/trainer/metrics.py``, verl
+``metric_utils.py``), so their definitions live in one readable place, beside the rollplex names they
+duplicate (``reward/mean`` = ``reward/overall``; ``time/<phase>_s`` = ``timing_s/<phase>``):
+
+- rewards: ``reward/overall`` (mean overall score), ``reward/<part>`` (mean of each part the reward function
+  returned, e.g. ``reward/format``, ``reward/accuracy``), ``critic/score/{mean,max,min}`` (the overall scores,
+  before any KL penalty), ``reward/mean``, ``reward/std``, ``reward/failures``;
+- lengths: ``response_length/{mean,max,min}`` (answer tokens, the stop token included),
+  ``response_length/clip_ratio`` (fraction of answers cut at ``max_new_tokens``: finish reason "length"),
+  ``prompt_length/{mean,max}`` (real prompt tokens, from the attention mask; image/video pads included),
+  ``prompt_length/vision_mean`` (image + video pad tokens per prompt);
+- time: ``timing_s/<phase>``, ``timing_s/step``, ``perf/time_per_step`` (s), ``perf/total_num_tokens`` (real
+  prompt + answer tokens of every answer: a prompt counts once per answer, as verl counts a sequence),
+  ``perf/throughput`` (those tokens per second per device: divided by ``jax.device_count()``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rollplex_contract.batch import Prompts, Rollouts
+from rollplex_jax.config import ModelConfig
+
+_REWARD_NAMES = ("mean", "std", "failures", "overall")
+
+
+def reward_metrics(overall: np.ndarray, parts: dict[str, np.ndarray], failures: int) -> dict[str, float]:
+    """``reward/*`` and ``critic/score/*`` of a step's overall scores and parts (any shape, one per answer).
+
+    A part whose name is one of rollplex's own (``mean``, ``std``, ``failures``, ``overall``) is logged as
+    ``reward/part/<name>``, so it cannot overwrite them.
+    """
+    r = np.asarray(overall, np.float64)
+    out = {"reward/mean": float(r.mean()), "reward/std": float(r.std()), "reward/overall": float(r.mean()),
+           "reward/failures": float(failures), "critic/score/mean": float(r.mean()),
+           "critic/score/max": float(r.max()), "critic/score/min": float(r.min())}
+    for name, values in parts.items():
+        key = f"reward/part/{name}" if name in _REWARD_NAMES else f"reward/{name}"
+        out[key] = float(np.mean(values))
+    return out
+
+
+def prompt_tokens(prompts: Prompts) -> np.ndarray:
+    """Real tokens of each prompt [B] (attention mask)."""
+    return np.asarray(prompts.attention_mask).sum(axis=1).astype(np.int64)
+
+
+def length_metrics(model: ModelConfig, prompts: Prompts, rollouts: Rollouts) -> dict[str, float]:
+    """``response_length/*`` and ``prompt_length/*`` of a step's B prompts and B x G answers."""
+    lengths = np.asarray(rollouts.lengths, np.float64)
+    reasons = [r for row in rollouts.finish_reasons for r in row]
+    mask = np.asarray(prompts.attention_mask) > 0
+    ids = np.asarray(prompts.input_ids)
+    vision = ((ids == model.image_token_id) | (ids == model.video_token_id)) & mask
+    plen = prompt_tokens(prompts).astype(np.float64)
+    return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/min": float(lengths.min()),
+            "response_length/clip_ratio": float(np.mean([r == "length" for r in reasons])),
+            "prompt_length/mean": float(plen.mean()), "prompt_length/max": float(plen.max()),
+            "prompt_length/vision_mean": float(vision.sum(axis=1).mean())}
+
+
+def total_tokens(prompts: Prompts, rollouts: Rollouts) -> int:
+    """Real prompt + answer tokens over every answer: sum_b G * prompt_b + sum_{b, g} answer_{b, g}."""
+    g = rollouts.lengths.shape[1]
+    return int(prompt_tokens(prompts).sum() * g + np.asarray(rollouts.lengths, np.int64).sum())
+
+
+def timing_metrics(phase_s: dict[str, float], step_s: float, tokens: int, devices: int) -> dict[str, float]:
+    """``time/<phase>_s`` and ``timing_s/<phase>`` (the same seconds), the step's time, ``perf/*``."""
+    out: dict[str, float] = {}
+    for name, secs in phase_s.items():
+        out[f"time/{name}_s"] = secs
+        out[f"timing_s/{name}"] = secs
+    out.update({"time/step_s": step_s, "timing_s/step": step_s, "perf/time_per_step": step_s,
+                "perf/total_num_tokens": float(tokens), "perf/throughput": tokens / max(step_s, 1e-12) / devices})
+    return out
