@@ -93,3 +93,18 @@ def test_reward_kwargs_reach_the_reward(tmp_path):
     with pytest.raises(ConfigError, match="does not take the keyword arguments.*--reward_kwargs"):
         runner_from_flagfile("configs/tiny_cpu.flags", workdir=tmp_path / "b", log=_quiet,
                              **{**VAL, "steps": 0, "reward": "math", "reward_kwargs": '{"weight": 0.0}'})
+
+
+def test_reward_plot_draws_the_validation_curve():
+    from matplotlib.figure import Figure
+
+    from rollplex_jax import outputs
+
+    rows = [{"step": 0, "val/reward_score": 0.1}, {"step": 1, "reward/mean": 0.2},
+            {"step": 2, "reward/mean": 0.4, "val/reward_score": 0.5}]
+    ax = Figure().subplots()
+    outputs.draw_reward(ax, rows)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    val = lines["validation reward (one answer per held-out prompt)"]
+    assert val.get_xdata().tolist() == [0, 2] and val.get_ydata().tolist() == [0.1, 0.5]
+    assert lines["mean reward of the step's answers"].get_xdata().tolist() == [1, 2]  # no step-0 training point
