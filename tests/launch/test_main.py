@@ -75,3 +75,35 @@ def test_video_flagfile_trains_on_mp4_clips(tmp_path, schedule):
     rows = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2] and all(row["kl"] >= -1e-6 for row in rows)
     assert "kept 8 of 8 rows" in r.stdout + r.stderr
+
+
+def test_a_verl_parquet_trains_with_a_verl_reward_function(tmp_path):
+    """A verl-layout parquet (chat-message prompts with <image>, image bytes, reward_model.ground_truth,
+    data_source, extra_info) trains and validates as it is on disk; the row's data_source and extra_info reach
+    verl's compute_score signature (tests/reward_fns.verl_score: +extra_info.bonus, part from_source)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rgb = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (235, 215, 40)}
+    rows = []
+    for i in range(8):
+        colour = list(rgb)[i % 4]
+        buf = io.BytesIO()
+        Image.new("RGB", (56, 56), rgb[colour]).save(buf, format="PNG")
+        rows.append({"data_source": "geo3k", "prompt": [{"role": "user", "content": "<image>what colour?"}],
+                     "images": [{"bytes": buf.getvalue(), "path": None}], "ability": "vision",
+                     "reward_model": {"style": "rule", "ground_truth": colour}, "extra_info": {"bonus": 0.5}})
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    wd = tmp_path / "run"
+    r = _main(*SMALL, f"--dataset={tmp_path / 'train.parquet'}", f"--val_dataset={tmp_path / 'train.parquet'}",
+              "--answer_key=reward_model.ground_truth", "--reward=tests.reward_fns:verl_score", "--steps=2",
+              "--val_before_train", "--val_every=1", f"--workdir={wd}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
+    train = [row for row in lines if "reward/mean" in row]
+    assert len(train) == 2 and all(row["reward/from_source"] == 1.0 for row in train)
+    assert all(row["reward/overall"] >= 0.5 for row in train)  # extra_info's bonus reached the function
+    assert [row["step"] for row in lines if "val/reward/overall" in row] == [0, 1, 2]
