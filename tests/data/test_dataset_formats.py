@@ -155,3 +155,37 @@ def test_unknown_formats_and_unreadable_parquet_are_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="holds no .parquet file"):
         _load(tmp_path / "empty")
+
+
+def test_video_rows_every_item_form_and_bad_videos_are_counted_skips(tmp_path):
+    """Video items as a path (Video-R1), a verl dict with its own nframes, and a frame list (the image-extension
+    rule); an unreadable file and a 1-frame video skip their rows (bad_video). Grids and second_per_grid_ts are
+    hand-computed: 32 frames at 8 fps sampled at 2 fps -> 8 frames, 4 steps, 2 / (8/32 * 8) = 1.0 s per step;
+    nframes 4 -> 2 steps at 4/32 * 8 = 1 fps -> 2.0 s; a 3-frame list -> 4 frames (last repeated), 2 fps -> 1.0 s."""
+    from rollplex_jax.data.video_sampling import VideoRule
+    from tests.video_files import write_frames, write_video
+
+    write_video(tmp_path / "a.mp4", 32)
+    write_video(tmp_path / "one.mp4", 1)
+    (tmp_path / "bad.mp4").write_bytes(b"not a video at all")
+    (tmp_path / "f").mkdir()
+    frames = [p.replace(str(tmp_path) + "/", "") for p in write_frames(tmp_path / "f", 3, size=(56, 56))]
+    rows = [{"problem": "<video>how many squares?", "solution": "2", "path": "a.mp4"},
+            {"problem": "how many squares?", "solution": "3", "path": {"video": "a.mp4", "nframes": 4}},
+            {"problem": "how many squares?", "solution": "4", "path": frames},
+            {"problem": "how many squares?", "solution": "1", "path": "bad.mp4"},
+            {"problem": "how many squares?", "solution": "1", "path": "one.mp4"}]
+    (tmp_path / "v.json").write_text(json.dumps(rows))
+    fmt = RowFormat(prompt_key="problem", answer_key="solution", video_key="path")
+    rule = VideoRule(min_pixels=56 * 56, max_pixels=56 * 56)  # every frame 56x56: 2x2 merged tokens per step
+    ds, rep, logs = _load(tmp_path / "v.json", fmt, video_rule=rule)
+    assert (rep.kept, rep.bad_video) == (3, 2)
+    assert [e.video_grid_thw.tolist() for e in ds] == [[[4, 4, 4]], [[2, 4, 4]], [[2, 4, 4]]]
+    assert [e.second_per_grid_ts.tolist() for e in ds] == [[1.0], [2.0], [1.0]]
+    assert [int((e.prompt_ids == TOK.video_pad_id).sum()) for e in ds] == [16, 8, 8]
+    warnings = [m for m in logs if m.startswith("warning")]
+    assert any(f"{tmp_path / 'v.json'}:row 3" in m and "bad.mp4" in m for m in warnings)
+    assert any(f"{tmp_path / 'v.json'}:row 4" in m and "one.mp4" in m for m in warnings)
+    p = collate(ds, TOK.pad_id)
+    assert p.video_grid_thw.tolist() == [[4, 4, 4], [2, 4, 4], [2, 4, 4]] and p.image_grid_thw is None
+    assert p.second_per_grid_ts.tolist() == [1.0, 2.0, 1.0] and p.pixel_values.shape == (64 + 32 + 32, 1176)
