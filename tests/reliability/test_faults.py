@@ -121,7 +121,8 @@ def test_bad_rows_are_skipped_named_and_counted_and_the_run_goes_on(tmp_path):
     assert "kept 5 of 9 rows" in r.stderr
 
     summary = json.loads((wd / "run_summary.json").read_text())
-    assert summary["data"]["train"] == {"rows": 9, "kept": 5, "bad_image": 3, "resized": 1, "too_long": 1}
+    assert summary["data"]["train"] == {"rows": 9, "kept": 5, "bad_image": 3, "bad_video": 0, "empty_answer": 0,
+                                        "resized": 1, "too_long": 1}
     assert summary["steps_done"] == 2
     assert [row["step"] for row in _rows(wd)] == [1, 2]
 
