@@ -183,7 +183,6 @@ class ParquetSource:
                 local += n
         self._starts = np.asarray(starts + [first], np.int64)
         self._cached: tuple[int, list[dict]] | None = None
-        self.columns = tuple(self._files[0].schema_arrow.names) if self._files else ()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
