@@ -6,12 +6,11 @@ classified them (``rollplex_contract.layout``): on one device every tensor is ``
 view: 100% shared, nothing rebuilt). With params sharded over a training mesh (e.g. fsdp=4) the
 engine (no tensor parallelism) runs on the mesh's first device: replicated params are aligned views
 of that device's shard, split ones are rebuilt (engine-owned full tensors, refilled in place on
-every bind). Generation is transformers' own ``generate`` (left padding, images and videos with their
-``second_per_grid_ts``, M-RoPE; transformers 5.24's generate extends the prompt's position ids by one per
-decoded token, so decoding continues exactly where its forward of prompt ++ answer does, also after a video
-whose time positions run past the text: its ``rope_deltas`` are not used in a fresh generate);
+every bind). Generation drives transformers' model itself (``hf_decode``): each distinct prompt of a chunk is
+prefilled once (vision tower, prompt KV, M-RoPE positions as ``generate`` builds them, also for videos with their
+``second_per_grid_ts``), its KV repeated to its answers, which decode together, finished ones leaving the batch;
 each answer is sampled from its own seeded generator (``SeededSampler``), whatever rows share its batch, and
-the chosen tokens' log-probs are kept step by step (``ChosenLogprobs``): one step's [rows, vocab] at a time.
+the chosen tokens' log-probs are kept step by step: one step's [rows, vocab] at a time.
 """
 
 from __future__ import annotations
@@ -24,11 +23,11 @@ import torch
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
-    LogitsProcessorList,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
 )
 
+from rollout_torch import hf_decode
 from rollout_torch.weights import ShardedBinder
 from rollplex_contract.batch import Prompts, Rollouts, SamplingParams, items_per_row
 from rollplex_contract.layout import RankTensor, Shard, SharingReport
@@ -137,11 +136,13 @@ class HFEngine:
 
     # --- generation --------------------------------------------------------------------------------
     def generate(self, prompts: Prompts, n: int, sampling: SamplingParams) -> Rollouts:
-        """Samples ``n`` answers for each prompt (each prompt repeated n times, in chunks of max_batch rows)."""
+        """Samples ``n`` answers for each prompt, in chunks of at most max_batch rows holding whole groups where
+        n <= max_batch: each prompt of a chunk is prefilled once for its answers (``hf_decode``)."""
         if not self._bound:
             raise RuntimeError("HFEngine.generate called before bind(params)")
         rows = np.repeat(np.arange(prompts.batch_size), n)
-        chunks = [slice(i, i + self.max_batch) for i in range(0, len(rows), self.max_batch)]
+        per = n * max(1, self.max_batch // n) if n <= self.max_batch else self.max_batch  # whole groups per chunk
+        chunks = [slice(i, i + per) for i in range(0, len(rows), per)]
         seeds = answer_seeds(sampling.seed, sampling.first_prompt, prompts.batch_size, n)
         outs = [self._generate_rows(prompts, rows[c], sampling, seeds[c]) for c in chunks]
         t = max(o[0].shape[1] for o in outs)
@@ -153,7 +154,8 @@ class HFEngine:
         b = prompts.batch_size
         return Rollouts(response_ids=ids.reshape(b, n, t), lengths=lengths.reshape(b, n),
                         finish_reasons=[reasons[i * n:(i + 1) * n] for i in range(b)],
-                        logprobs=logp.reshape(b, n, t).astype(np.float32))
+                        logprobs=logp.reshape(b, n, t).astype(np.float32),
+                        prefill_tokens=sum(o[4] for o in outs))
 
     def _inputs(self, prompts: Prompts, rows: np.ndarray) -> dict:
         merge = self.merge
@@ -181,56 +183,30 @@ class HFEngine:
         return kw
 
     def _generate_rows(self, prompts: Prompts, rows: np.ndarray, sampling: SamplingParams, seeds: np.ndarray):
-        kw = self._inputs(prompts, rows)
-        greedy = sampling.temperature == 0
-        # Sampling = argmax of the warped logits plus Gumbel noise drawn from each answer's own generator
-        # (SeededSampler), so an answer does not depend on which other rows share its batch. The log-probs are
-        # recorded step by step from the raw scores: ChosenLogprobs must run first, so this config makes generate
-        # add no processor of its own (min_new_tokens=0 would add a MinLengthLogitsProcessor before ours: a no-op
-        # clone; tests/rollout/test_stepwise_logprobs.py checks the list generate builds).
-        gen = GenerationConfig(
-            do_sample=False, max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=list(sampling.stop_token_ids) or None, pad_token_id=self.pad_token_id)
-        kw = {k: v.to(self.device) for k, v in kw.items()}
-        record = ChosenLogprobs()
-        procs = LogitsProcessorList([record] + ([] if greedy else [SeededSampler(sampling, seeds, self.device)]))
+        """Answers for ``rows`` (prompt indices, prompt-major): each distinct prompt prefilled once (hf_decode)."""
+        uniq, answers_of = np.unique(rows, return_inverse=True)
+        kw = {k: v.to(self.device) for k, v in self._inputs(prompts, uniq).items()}
+        stop = torch.tensor(list(sampling.stop_token_ids), dtype=torch.long, device=self.device)
+        step = sample_step(sampling, seeds, self.device)
         with torch.no_grad():
-            seqs = self.model.generate(**kw, generation_config=gen, logits_processor=procs)
-        seqs = seqs[:, kw["input_ids"].shape[1]:]
-        logp = record.finish(seqs).cpu().numpy()
-        return _finish(seqs.cpu().numpy(), logp, sampling.stop_token_ids, self.pad_token_id)
+            new, logp = hf_decode.decode(self.model, kw, torch.from_numpy(answers_of), step,
+                                         sampling.max_new_tokens, stop, self.pad_token_id)
+        prefilled = int(prompts.attention_mask[uniq].sum())
+        return (*_finish(new.cpu().numpy(), logp.cpu().numpy(), sampling.stop_token_ids, self.pad_token_id), prefilled)
 
 
-class ChosenLogprobs(LogitsProcessor):
-    """Log-probs of the chosen tokens under the unmodified policy, kept step by step.
+def sample_step(sampling: SamplingParams, seeds: np.ndarray, device: torch.device) -> hf_decode.StepFn:
+    """One decode step's choice for the live rows: argmax of the raw scores (greedy) or of the warped scores
+    plus each answer's own Gumbel noise (``SeededSampler``), and the chosen tokens' log-probs under the raw
+    (unmodified) policy, in fp32: one step's [rows, V] at a time."""
+    sampler = None if sampling.temperature == 0 else SeededSampler(sampling, seeds, device)
 
-    Placed first in generate's processor list, so ``scores`` are the raw fp32 logits of the current step (before
-    temperature, top-k/top-p and the SeededSampler's noise). Each call keeps that step's log-softmax [rows, V]
-    and, at the next call, gathers the token generate appended (``input_ids[:, -1]``), then drops it: at most one
-    step's [rows, V] is alive, never rows x steps x V (``output_logits=True`` stacked them all, ~40 GB for 64
-    rows x 1024 steps x 151,936). ``finish`` gathers the last step from the returned sequences. Finished rows
-    get the pad token from generate; their log-probs are zeroed later (``_finish``), as before.
-    """
+    def step(scores: torch.Tensor, live: torch.Tensor):
+        logp = torch.log_softmax(scores, dim=-1)
+        tok = (scores if sampler is None else sampler.noisy(scores, live)).argmax(-1)
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
 
-    def __init__(self):
-        self.chosen: list[torch.Tensor] = []  # [rows] float32 per finished step
-        self._step: torch.Tensor | None = None  # [rows, V] log-softmax of the step whose token is not known yet
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._step is not None:
-            self.chosen.append(self._step.gather(-1, input_ids[:, -1:])[:, 0])
-        self._step = torch.log_softmax(scores.float(), dim=-1)
-        return scores
-
-    def finish(self, new_ids: torch.Tensor) -> torch.Tensor:
-        """[rows, steps] log-probs of ``new_ids`` (the generated tokens, prompt removed)."""
-        steps = new_ids.shape[1]
-        if len(self.chosen) < steps and self._step is not None:
-            self.chosen.append(self._step.gather(-1, new_ids[:, len(self.chosen):len(self.chosen) + 1])[:, 0])
-        self._step = None
-        if len(self.chosen) < steps:
-            raise RuntimeError(f"recorded {len(self.chosen)} decode steps for {steps} generated tokens")
-        return torch.stack(self.chosen[:steps], dim=1)  # generate may run (and undo) one extra step
+    return step
 
 
 def answer_seeds(seed: int, first_prompt: int, n_prompts: int, n: int) -> np.ndarray:
@@ -251,6 +227,10 @@ class SeededSampler(LogitsProcessor):
         self.gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return self.noisy(scores, range(len(self.gens)))
+
+    def noisy(self, scores: torch.Tensor, rows) -> torch.Tensor:
+        """The warped scores plus Gumbel noise for the rows ``rows`` of the call (their generators advance)."""
         x = scores.float() / self.t
         if self.top_k:
             kth = torch.topk(x, min(self.top_k, x.shape[-1]), dim=-1).values[..., -1:]
@@ -261,7 +241,7 @@ class SeededSampler(LogitsProcessor):
             drop = cum <= (1 - self.top_p)
             drop[..., -1:] = False  # keep at least the most likely token
             x = x.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), -float("inf"))
-        u = torch.stack([torch.rand(x.shape[-1], generator=g, device=x.device) for g in self.gens])
+        u = torch.stack([torch.rand(x.shape[-1], generator=self.gens[int(r)], device=x.device) for r in rows])
         expo = -torch.log(u.clamp_min(1e-20))  # Exp(1)
         return x - torch.log(expo.clamp_min(1e-20))  # + Gumbel(0, 1)
 

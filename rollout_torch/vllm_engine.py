@@ -58,6 +58,7 @@ On a GPU, JAX preallocates most of the memory by default: give vLLM room
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -254,7 +255,8 @@ class VLLMEngine:
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=use_sleep,
                        skip_tokenizer_init=not multimodal, logprobs_mode="raw_logprobs",
-                       generation_config="vllm", load_format="auto" if has_weights else "dummy", **llm_kwargs)
+                       generation_config="vllm", load_format="auto" if has_weights else "dummy",
+                       **{"disable_log_stats": False, **llm_kwargs})  # its counters say what the prefix cache shared
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         self.model = runner.get_model()
         self.kv = KVCacheRelease(self.llm, runner, use_sleep)
@@ -339,6 +341,7 @@ class VLLMEngine:
         if not self.bound:
             raise RuntimeError("generate() needs bind(params) first (weights are released)")
         requests = self._requests(prompts)
+        before = self._prompt_counters()
         if sampling.temperature == 0:  # vLLM refuses n > 1 when greedy: n copies of each request
             outs = self.llm.generate([r for r in requests for _ in range(n)],
                                      vllm_sampling(sampling, 1, 0), use_tqdm=False)
@@ -347,7 +350,23 @@ class VLLMEngine:
             sps = [vllm_sampling(sampling, n, sampling.first_prompt + i) for i in range(len(requests))]
             outs = self.llm.generate(requests, sps, use_tqdm=False)
             samples = [sorted(o.outputs, key=lambda c: c.index) for o in outs]
-        return to_rollouts(samples, sampling.max_new_tokens, self.info.pad_token_id)
+        after = self._prompt_counters()
+        prefilled = -1 if None in (before, after) else (after[0] - before[0]) - (after[1] - before[1])
+        return dataclasses.replace(to_rollouts(samples, sampling.max_new_tokens, self.info.pad_token_id),
+                                   prefill_tokens=prefilled)
+
+    def _prompt_counters(self) -> tuple[int, int] | None:
+        """vLLM's running (prompt tokens, of them served from the prefix cache), or None without stats. Within a
+        rollout the G answers of a prompt share its cached full KV blocks (the cache is reset at every bind), so
+        the difference over one generate is what the engine prefilled."""
+        try:
+            got = {m.name: m.value for m in self.llm.get_metrics()
+                   if m.name in ("vllm:prompt_tokens", "vllm:prompt_tokens_cached")}
+        except (AssertionError, RuntimeError, AttributeError):  # stats disabled by the caller's llm_kwargs
+            return None
+        if len(got) != 2:
+            return None
+        return int(got["vllm:prompt_tokens"]), int(got["vllm:prompt_tokens_cached"])
 
     def _requests(self, prompts: Prompts) -> list[dict]:
         rows = [np.asarray(ids)[np.asarray(m) > 0].astype(int).tolist()

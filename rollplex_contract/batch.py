@@ -81,12 +81,16 @@ class Rollouts:
     finish_reasons: [B][G] "stop" (ended on a stop token, which is included) or "length";
     logprobs: [B, G, T] float32 engine log-probs of each sampled token under the
     unmodified policy (log-softmax of raw logits, temperature 1), 0 at padding.
+    prefill_tokens: prompt tokens (padding excluded) the engine ran its model over, vision included; B x G
+    times the prompts' tokens when every answer prefills its own prompt, fewer when answers share a prefill
+    (-1: the engine does not say).
     """
 
     response_ids: np.ndarray
     lengths: np.ndarray
     finish_reasons: list[list[str]]
     logprobs: np.ndarray
+    prefill_tokens: int = -1
 
     @property
     def mask(self) -> np.ndarray:

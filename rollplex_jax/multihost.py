@@ -97,9 +97,11 @@ def gather_rollouts(ro: Rollouts, max_new_tokens: int, pad_id: int, procs: Proce
     logp = np.pad(ro.logprobs, ((0, 0), (0, 0), (0, pad)))
     reasons = np.array([[FINISH.index(r) for r in row] for row in ro.finish_reasons], np.int32).reshape(b, g)
     ids, logp, lengths, reasons = (allgather_rows(a, procs) for a in (ids, logp, ro.lengths, reasons))
+    prefilled = allgather_rows(np.array([ro.prefill_tokens], np.int64), procs)
     t_max = max(int(lengths.max()), 1)
     return Rollouts(response_ids=ids[..., :t_max], lengths=lengths, logprobs=logp[..., :t_max],
-                    finish_reasons=[[FINISH[r] for r in row] for row in reasons.tolist()])
+                    finish_reasons=[[FINISH[r] for r in row] for row in reasons.tolist()],
+                    prefill_tokens=int(prefilled.sum()) if (prefilled >= 0).all() else -1)
 
 
 def any_process(flag: bool, procs: Processes) -> bool:

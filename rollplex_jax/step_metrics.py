@@ -62,6 +62,17 @@ def length_metrics(model: ModelConfig, prompts: Prompts, rollouts: Rollouts) -> 
             "prompt_length/vision_mean": float(vision.sum(axis=1).mean())}
 
 
+def prefill_metrics(prompts: Prompts, rollouts: Rollouts) -> dict[str, float]:
+    """``rollout/prefill_tokens`` (prompt tokens the engine ran its model over) and ``rollout/prefill_shared_frac``
+    (the share of the B x G answers' prompt tokens it did not have to prefill: (G - 1) / G when each prompt is
+    prefilled once for its G answers, 0 when every answer prefills its own); nothing when the engine does not say."""
+    if rollouts.prefill_tokens < 0:
+        return {}
+    per_answer = float(prompt_tokens(prompts).sum() * rollouts.lengths.shape[1])
+    return {"rollout/prefill_tokens": float(rollouts.prefill_tokens),
+            "rollout/prefill_shared_frac": 1.0 - rollouts.prefill_tokens / max(per_answer, 1.0)}
+
+
 def total_tokens(prompts: Prompts, rollouts: Rollouts) -> int:
     """Real prompt + answer tokens over every answer: sum_b G * prompt_b + sum_{b, g} answer_{b, g}."""
     g = rollouts.lengths.shape[1]

@@ -38,6 +38,9 @@ def test_metrics_of_a_tiny_step_match_its_rollouts(tmp_path, schedule):
     assert m["perf/total_num_tokens"] == tokens
     assert m["perf/time_per_step"] == m["timing_s/step"] == m["time/step_s"]
     assert m["perf/throughput"] == pytest.approx(tokens / m["time/step_s"] / jax.device_count())
+    # the HF engine prefills each prompt once for its G answers (tiny_cpu: max_batch holds whole groups)
+    assert m["rollout/prefill_tokens"] == sum(prompt_len)
+    assert m["rollout/prefill_shared_frac"] == pytest.approx(1 - 1 / g)
     phases = [k[len("time/"):-len("_s")] for k in m if k.startswith("time/") and k != "time/step_s"]
     assert {"rollout", "reward"} <= set(phases)
     for p in phases:
