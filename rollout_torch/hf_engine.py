@@ -76,17 +76,19 @@ class HFEngine:
     Args:
         hf_config: the model's ``config.json`` dict (Qwen2.5-VL, transformers 5 layout).
         max_batch: most sequences generated at once.
+        share_prefill: each distinct prompt of a chunk is prefilled once for its answers (False: once per
+            answer, as ``generate`` does; for benchmarks: ``launch.bench_rollout``).
     """
 
     layout = "hf"  # one tensor per parameter, by transformers' in-memory names, no tensor parallelism
 
-    def __init__(self, hf_config: Mapping[str, Any], *, max_batch: int = 64):
+    def __init__(self, hf_config: Mapping[str, Any], *, max_batch: int = 64, share_prefill: bool = True):
         self.model = _build_meta_model(hf_config)
         c = self.model.config
         self.pad_token_id = int(c.text_config.pad_token_id)
         self.image_token_id, self.video_token_id = int(c.image_token_id), int(c.video_token_id)
         self.merge = int(c.vision_config.spatial_merge_size) ** 2
-        self.max_batch = max_batch
+        self.max_batch, self.share_prefill = max_batch, share_prefill
         self.tensors: tuple[RankTensor, ...] = ()
         self.binder: ShardedBinder | None = None
         self._bound = False
@@ -184,7 +186,7 @@ class HFEngine:
 
     def _generate_rows(self, prompts: Prompts, rows: np.ndarray, sampling: SamplingParams, seeds: np.ndarray):
         """Answers for ``rows`` (prompt indices, prompt-major): each distinct prompt prefilled once (hf_decode)."""
-        uniq, answers_of = np.unique(rows, return_inverse=True)
+        uniq, answers_of = np.unique(rows, return_inverse=True) if self.share_prefill else (rows, np.arange(len(rows)))
         kw = {k: v.to(self.device) for k, v in self._inputs(prompts, uniq).items()}
         stop = torch.tensor(list(sampling.stop_token_ids), dtype=torch.long, device=self.device)
         step = sample_step(sampling, seeds, self.device)

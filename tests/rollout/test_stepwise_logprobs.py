@@ -183,3 +183,24 @@ def test_each_prompt_is_encoded_and_prefilled_once_and_finished_answers_leave_th
     assert decode_rows == int((lengths - 1).sum())
     assert (lengths < sp.max_new_tokens).any()  # some answer stopped early, so rows did leave
     eng.release()
+
+
+def test_per_answer_prefill_samples_the_same_answers_and_encodes_n_times():
+    """``share_prefill=False`` (launch.bench_rollout's baseline): every answer prefills its own prompt copy, as
+    ``generate`` does: n x the vision patches and prompt tokens, the same answers."""
+    cfg, params, inp, eng = _setup()
+    eng.max_batch, n, sp = 12, 4, SAMPLINGS[1]
+    prompts = Prompts(**inp)
+    shared = eng.generate(prompts, n, sp)
+    eng.share_prefill = False
+    seen, hooks = _record_passes(eng)
+    try:
+        alone = eng.generate(prompts, n, sp)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen["patches"] == n * len(inp["pixel_values"])
+    assert alone.prefill_tokens == n * shared.prefill_tokens == n * int(inp["attention_mask"].sum())
+    np.testing.assert_array_equal(alone.response_ids, shared.response_ids)
+    np.testing.assert_allclose(alone.logprobs, shared.logprobs, atol=LOGP_TOL["float32"])
+    eng.release()
