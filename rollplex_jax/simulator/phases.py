@@ -4,7 +4,8 @@ Every function takes the step's ``Setup`` (config, hardware, lengths, mesh, prog
 figures derived from them) and the pool of devices it runs on; ``schedules`` places the phases on a
 timeline. Costs of the programs come from ``costs``.
 
-- rollout (engine replicas of ``rollout_tp`` devices, rows = B G / replicas, waves of ``max_batch``):
+- rollout (engine replicas of ``rollout_tp`` devices, rows = B G / replicas, waves of ``max_batch``; the
+  prefill and the engine's vision run once per prompt, B / replicas, not per answer):
   prefill = prefill_fixed + F_prefill / (rollout_tp x peak x mfu_prefill); engine vision = images x
   (engine_image_s + patches x engine_patch_s) where the patch cost is measured (CPU), else images x
   engine_image_s + its FLOPs / (rollout_tp x peak x mfu_prefill) + bytes / ew_bw;
@@ -116,21 +117,24 @@ class Setup:
 
 
 def rollout(s: Setup, n_dev: int) -> tuple[float, float, float]:
-    """(prefill, vision in the engine, decode) seconds on a pool of n_dev devices."""
+    """(prefill, vision in the engine, decode) seconds on a pool of n_dev devices. The engines prefill and
+    vision-encode each prompt once for its G answers (HF: ``hf_decode``; vLLM: its prefix cache, reset per bind),
+    then decode every answer over its own copy of the prompt's KV."""
     cfg, hw, x, dt, b = s.cfg, s.hw, s.cfg.model.text, s.dt, s.b
     Tp, Tv, Tr, Tm, n_img = (s.lengths.prompt_tokens, s.lengths.vision_tokens, s.lengths.response_tokens,
                              s.response_mean, s.patches)
     replicas = max(1, n_dev // s.mesh.rollout_tp)
     rows = math.ceil(s.rows / replicas)
+    prompts = math.ceil(cfg.rl.batch_prompts / replicas)
     waves = math.ceil(rows / cfg.rollout.max_batch)
     rtp = s.mesh.rollout_tp
-    pf = text_forward(cfg, rows, Tp, 0, 1, DEFAULT_PROGRAMS)  # engines use flash kernels
-    vis = vision_forward(cfg, rows if Tv else 0, n_img, DEFAULT_PROGRAMS)
+    pf = text_forward(cfg, prompts, Tp, 0, 1, DEFAULT_PROGRAMS)  # engines use flash kernels
+    vis = vision_forward(cfg, prompts if Tv else 0, n_img, DEFAULT_PROGRAMS)
     t_pf = hw.prefill_fixed_s * waves + pf.flops / (rtp * hw.flops(dt) * hw.mfu_prefill) \
         + pf.ew_bytes / rtp / hw.ew_bw
-    t_vis = (rows if Tv else 0) * hw.engine_image_s
+    t_vis = (prompts if Tv else 0) * hw.engine_image_s
     if hw.engine_patch_s:  # measured per patch (CPU probe): replaces the FLOP / byte estimate
-        t_vis += (rows if Tv else 0) * n_img * hw.engine_patch_s
+        t_vis += (prompts if Tv else 0) * n_img * hw.engine_patch_s
     else:
         t_vis += vis.flops / (rtp * hw.flops(dt) * hw.mfu_prefill) + vis.ew_bytes / rtp / hw.ew_bw
     kv_tok = x.num_hidden_layers * 2 * max(1, math.ceil(x.num_key_value_heads / rtp)) * x.head_dim * b
