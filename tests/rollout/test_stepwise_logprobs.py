@@ -10,6 +10,7 @@ call does not grow with the steps.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import jax
@@ -146,15 +147,20 @@ def test_no_rows_x_steps_x_vocab_tensor_is_held():
     eng.release()
 
 
-def _record_passes(eng):
-    """Hooks counting what each model pass sees: vision patches encoded, and the language model's rows x tokens."""
+@contextlib.contextmanager
+def recorded_passes(eng):
+    """Counts what each model pass sees while inside: vision patches encoded, the language model's rows x tokens."""
     seen = {"patches": 0, "lm": []}
     h1 = eng.model.model.visual.register_forward_pre_hook(
         lambda m, args, kw: seen.__setitem__("patches", seen["patches"] + (args[0] if args else kw["hidden_states"]).shape[0]),
         with_kwargs=True)
     h2 = eng.model.model.language_model.register_forward_pre_hook(
         lambda m, args, kw: seen["lm"].append(tuple(kw["inputs_embeds"].shape[:2])), with_kwargs=True)
-    return seen, (h1, h2)
+    try:
+        yield seen
+    finally:
+        h1.remove()
+        h2.remove()
 
 
 @pytest.mark.parametrize("max_batch", [12, 5, 2])
@@ -163,12 +169,8 @@ def test_each_prompt_is_encoded_and_prefilled_once_and_finished_answers_leave_th
     eng.max_batch = max_batch
     prompts = Prompts(**inp)
     n, sp = 4, SAMPLINGS[1]
-    seen, hooks = _record_passes(eng)
-    try:
+    with recorded_passes(eng) as seen:
         ro = eng.generate(prompts, n, sp)
-    finally:
-        for h in hooks:
-            h.remove()
     lengths = ro.lengths.reshape(-1)
     # max_batch 12 or 5: whole groups per chunk (12 -> one chunk; 5 -> one prompt per chunk); 2 < n: the 4
     # answers of a prompt in 2 chunks of 2, so each prompt is prefilled twice
@@ -193,12 +195,8 @@ def test_per_answer_prefill_samples_the_same_answers_and_encodes_n_times():
     prompts = Prompts(**inp)
     shared = eng.generate(prompts, n, sp)
     eng.share_prefill = False
-    seen, hooks = _record_passes(eng)
-    try:
+    with recorded_passes(eng) as seen:
         alone = eng.generate(prompts, n, sp)
-    finally:
-        for h in hooks:
-            h.remove()
     assert seen["patches"] == n * len(inp["pixel_values"])
     assert alone.prefill_tokens == n * shared.prefill_tokens == n * int(inp["attention_mask"].sum())
     np.testing.assert_array_equal(alone.response_ids, shared.response_ids)
