@@ -1,7 +1,7 @@
 """The serial schedule's reference and actor passes, JAX beside transformers' torch Qwen2.5-VL, in one process.
 
   python -m launch.profile_passes --flagfile=configs/bench_vlm448_cpu.flags [--profile_repeats=5]
-      [--profile_trace_dir=DIR] [--noprofile_torch]
+      [--profile_trace_dir=DIR] [--noprofile_torch] [--profile_uncapped]
 
 What is timed, on one batch built like the serial step's (B prompts of the flagfile's data, each repeated for
 its G answers; answers of random tokens and lengths, no rollout), with the params of ``--seed``:
@@ -22,7 +22,8 @@ largest |logp_jax - logp_torch| checks that both computed the same thing. Each J
 (``programs.costs.serial_phase_costs``: XLA's count of the same programs with dense attention, which has no
 loops) are printed beside its time as a rate, with XLA's count of the programs as run and their while loops
 (counted once each by XLA: a lower bound).
-``--profile_trace_dir`` writes a ``jax.profiler`` trace of one more round of the JAX passes.
+``--profile_uncapped`` adds the JAX passes as they ran before ``attention.cache_block`` (before/after in one
+process). ``--profile_trace_dir`` writes a ``jax.profiler`` trace of one more round of the JAX passes.
 Prints one JSON line last.
 """
 
@@ -38,6 +39,8 @@ from launch import flags as launch_flags
 _REPEATS = flags.DEFINE_integer("profile_repeats", 5, "Timed rounds (each pass once per round).", lower_bound=1)
 _TRACE = flags.DEFINE_string("profile_trace_dir", "", "Write a jax.profiler trace of one round of the JAX passes.")
 _TORCH = flags.DEFINE_boolean("profile_torch", True, "Also time transformers' torch model on the same batch.")
+_UNCAPPED = flags.DEFINE_boolean("profile_uncapped", False, "Also time the JAX passes traced without the CPU "
+                                 "block cap (models/attention.cache_block): the programs as they were before it.")
 
 
 def serial_batch(cfg):
@@ -181,6 +184,22 @@ def _grids(cfg, mb):
     return [[1, side, side]] * rows
 
 
+def uncapped_passes(cfg, params, prompts, rollouts) -> dict:
+    """The JAX reference and actor passes traced (and compiled) with ``attention.CPU_BLOCK_BYTES`` unbounded,
+    i.e. with ``--attention_block`` as given (the blockwise kernel before ``cache_block``), as
+    ``jax_*_uncapped``."""
+    from rollplex_jax.models import attention
+
+    saved, attention.CPU_BLOCK_BYTES = attention.CPU_BLOCK_BYTES, float("inf")
+    try:
+        passes, _ = jax_passes(cfg, params, prompts, rollouts)
+        for name in ("jax_reference", "jax_actor"):
+            passes[name]()  # traced now, under the unbounded rule
+    finally:
+        attention.CPU_BLOCK_BYTES = saved
+    return {f"{name}_uncapped": passes[name] for name in ("jax_reference", "jax_actor")}
+
+
 def time_interleaved(passes: dict, repeats: int) -> dict:
     """Runs every pass once (warm-up), then ``repeats`` rounds of all of them in turn: name -> seconds."""
     for fn in passes.values():
@@ -210,6 +229,8 @@ def main(argv):
     passes, extra = jax_passes(cfg, params, prompts, rollouts)
     out = {"rows": int(rollouts.response_ids.size // rollouts.response_ids.shape[-1]),
            "prompt_len": int(prompts.input_ids.shape[1]), "micro_batches": len(extra["mbs"])}
+    if _UNCAPPED.value:
+        passes.update(uncapped_passes(cfg, params, prompts, rollouts))
     if _TORCH.value:
         model = torch_model(cfg, params)
         passes.update(torch_passes(cfg, model, extra["mbs"], extra["weights"], extra["adv"]))
