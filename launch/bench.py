@@ -14,8 +14,10 @@ Overlap accounting per mode (means over timed steps; per step in each trace.json
 seeds, so the same answers: serial's is the time that rollout takes with nothing beside it),
 ``hidden_prefix_s`` the prefix programs' time inside the decode's span, ``exposed_prefix_s`` their time
 after it, ``critical_path_saving_s`` hidden minus slowdown (``trace.overlap_stats``).
-Prints one JSON line last (ARCHITECTURE.md); with --peer_report a second, shorter one after it (every mode's
-step time, tokens per second per device, the fraction of the step that is rollout, the ratios to serial).
+Serial's reference and actor phases also carry XLA's FLOPs and the rate they ran at (``phase_flops``:
+``launch/bench_flops.py``). Prints one JSON line last (ARCHITECTURE.md); with --peer_report a second,
+shorter one after it (every mode's step time, tokens per second per device, the fraction of the step that is
+rollout, the ratios to serial).
 Writes bench.json (the full line), trace.json per mode and plots/timeline_compare.png (serial vs rollplex
 on one time axis) under --workdir.
 """
@@ -29,6 +31,7 @@ import sys
 from absl import app, flags, logging
 
 from launch import flags as launch_flags
+from launch.bench_flops import serial_phase_rates
 
 _STEPS = flags.DEFINE_integer("bench_steps", 5, "Timed steps per mode.", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("bench_warmup", 2, "Warm-up (compile) steps per mode.", lower_bound=0)
@@ -69,16 +72,17 @@ def run_mode(cfg, name: str, steps: int, warmup: int, alone_rollout_s: dict[int,
     per_step = overlap_stats(spans, alone_rollout_s)
     write_chrome_trace(spans + overlap_spans(spans, per_step), os.path.join(run.workdir, "trace.json"))
     params = {k: np.asarray(v) for k, v in runner.state.params.items()}
-    runner.close()
     phases = {k[len("time/"):-2]: statistics.median(m.get(k, 0.0) for m in timed)
               for k in timed[0] if k.startswith("time/")}
+    rates = serial_phase_rates(runner, phases) if name == "serial" else {}
+    runner.close()
     overlap = {k: statistics.mean(row[k] for row in per_step.values())  # means: saving = hidden - slowdown
                for k in ("decode_slowdown_s", "hidden_prefix_s", "exposed_prefix_s", "critical_path_saving_s")
                if per_step and all(k in row for row in per_step.values())}
     result = {"step_s": statistics.median(m["time/step_s"] for m in timed), "phases_s": phases,
               "tokens_per_s_per_device": statistics.median(m["perf/throughput"] for m in timed),
               "rollout_frac": statistics.median(m.get("time/rollout_s", 0.0) / m["time/step_s"] for m in timed),
-              "overlap": overlap, "torch_threads": torch_threads,
+              "overlap": overlap, "torch_threads": torch_threads, **({"phase_flops": rates} if rates else {}),
               "reward_mean": statistics.mean(m["reward/mean"] for m in timed)}
     return result, params, spans, alone_rollout_s
 

@@ -28,8 +28,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     import numpy as np
 
-    from rollplex_jax.data import dataset as data_lib
     from rollplex_jax import scheduler
+    from rollplex_jax.data import dataset as data_lib
     from rollplex_jax.runner import Runner
 
     cfg = launch_flags.config_from_flags(flags.FLAGS)

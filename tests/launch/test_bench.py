@@ -22,6 +22,10 @@ def test_bench_prints_the_contract(tmp_path):
     assert set(out["modes"]) == {"serial", "rollplex", "overlap_only", "sharing_only"}
     assert set(out["speedup"]) == {"rollplex", "overlap_only", "sharing_only"}
     assert all(m["step_s"] > 0 for m in out["modes"].values())
+    rates = out["modes"]["serial"]["phase_flops"]  # bench_cpu uses the reference (KL in the loss)
+    assert set(rates) == {"reference", "actor"}
+    assert rates["actor"]["gflop"] > 2 * rates["reference"]["gflop"] > 0  # fwd + bwd vs fwd
+    assert rates["actor"]["gflop_per_s"] == rates["actor"]["gflop"] / rates["actor"]["s"]
     assert out["equivalent"] is True and isinstance(out["max_param_rel_diff"], float)
     assert all(d["p999"] <= 0.02 for d in out["update_diff"].values())  # of lr x updates (equivalence.py)
     assert (tmp_path / "plots" / "timeline_compare.png").stat().st_size > 5000

@@ -151,9 +151,10 @@ def test_no_rows_x_steps_x_vocab_tensor_is_held():
 def recorded_passes(eng):
     """Counts what each model pass sees while inside: vision patches encoded, the language model's rows x tokens."""
     seen = {"patches": 0, "lm": []}
-    h1 = eng.model.model.visual.register_forward_pre_hook(
-        lambda m, args, kw: seen.__setitem__("patches", seen["patches"] + (args[0] if args else kw["hidden_states"]).shape[0]),
-        with_kwargs=True)
+    def count_patches(module, args, kw):
+        seen["patches"] += (args[0] if args else kw["hidden_states"]).shape[0]
+
+    h1 = eng.model.model.visual.register_forward_pre_hook(count_patches, with_kwargs=True)
     h2 = eng.model.model.language_model.register_forward_pre_hook(
         lambda m, args, kw: seen["lm"].append(tuple(kw["inputs_embeds"].shape[:2])), with_kwargs=True)
     try:
