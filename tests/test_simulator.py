@@ -157,7 +157,7 @@ def _calibration_attempt(tmp_path, env) -> dict:
     fastest = _bench_min_steps(tmp_path / "bench")
     ratios = {mode: pred["schedules"][mode]["step_s"] / fastest[mode] for mode in ("serial", "rollplex")}
     sp_pred, sp_meas = pred["speedup"]["rollplex_over_serial"], fastest["serial"] / fastest["rollplex"]
-    ok = all(0.75 <= x <= 1.25 for x in ratios.values()) and abs(sp_pred / sp_meas - 1) <= 0.15
+    ok = all(0.7 <= x <= 1.3 for x in ratios.values()) and abs(sp_pred / sp_meas - 1) <= 0.25
     return {"ok": ok, "ratios": ratios, "speedup_pred": sp_pred, "speedup_meas": sp_meas,
             "measured_fastest": fastest, "measured_median": {k: v["step_s"] for k, v in meas["modes"].items()},
             "speedup_meas_median": meas["speedup"]["rollplex"],
@@ -167,7 +167,12 @@ def _calibration_attempt(tmp_path, env) -> dict:
 
 def test_calibration_against_bench(tmp_path):
     """Predict bench_cpu on the measured CPU preset (probes only: nothing fitted to the bench), then run the
-    real bench and compare: step-time ratios of serial and rollplex within 25%, the speedup within 15%.
+    real bench and compare: step-time ratios of serial and rollplex within 30%, the speedup within 25%.
+
+    Tolerances from the measured noise (issue 19): since the rollout prefills once per prompt, bench_cpu's
+    rollplex step is 0.08-0.10 s, a quarter of it host work the model holds as one constant, and its fastest
+    timed step varied 0.079 / 0.090 / 0.104 s over three runs of the same code on this idle 2-core machine
+    (2026-12-02): 30% peak to peak, which the speedup inherits. (Before, with 0.12-0.13 s steps: 25% and 15%.)
 
     Both sides are uncontended estimates: the probes keep the fastest of their repeats, the bench side is
     the fastest timed step of each mode (other processes on a shared 2-core machine only ever slow a step
@@ -183,5 +188,5 @@ def test_calibration_against_bench(tmp_path):
             break
     last = attempts[-1]
     for mode, ratio in last["ratios"].items():
-        assert 0.75 <= ratio <= 1.25, (mode, ratio, attempts)
-    assert abs(last["speedup_pred"] / last["speedup_meas"] - 1) <= 0.15, attempts
+        assert 0.7 <= ratio <= 1.3, (mode, ratio, attempts)
+    assert abs(last["speedup_pred"] / last["speedup_meas"] - 1) <= 0.25, attempts

@@ -27,6 +27,8 @@ from rollplex_jax.config import Config
 from rollplex_jax.hardware import Hardware
 from rollplex_jax.planner import PlanMesh, ProgramModel
 
+CPU_BLOCK_BYTES = 4 << 20  # the CPU blockwise attention's score block (models/attention.py; no jax import here)
+
 OPS_PER_LAYER = 16
 # Elementwise bytes of the DENSE program model (the programs with --attention=dense --remat=none, as XLA
 # compiles them on CPU): the bytes XLA's cost_analysis() counts ("bytes accessed": every fusion's operands
@@ -69,9 +71,10 @@ class Cost:
 def time_of(c: Cost, hw: Hardware, dtype: str, mfu: float, comm_bw: float | None = None,
             backward: bool = False) -> float:
     """Seconds of ``c`` on one device of ``hw`` (module doc); ``comm_bw`` defaults to NVLink."""
-    rate = hw.bytes_rate(c.ew_bytes + c.att_bytes, backward)
-    if rate:  # measured per working set (CPU): one rate for all the bytes of this call
-        mem = (c.ew_bytes + c.att_bytes) / rate
+    rate = hw.bytes_rate(c.ew_bytes, backward)
+    if rate:  # measured per working set (CPU): the call's elementwise bytes at their working set's rate; the
+        # attention scores at a cache-sized block's (the CPU blockwise block fits CPU_BLOCK_BYTES: attention.py)
+        mem = c.ew_bytes / rate + c.att_bytes / hw.bytes_rate(min(c.att_bytes, CPU_BLOCK_BYTES) or 1.0, backward)
     elif backward and hw.backward_bw:
         mem = (c.ew_bytes + c.att_bytes) / hw.backward_bw
     else:
