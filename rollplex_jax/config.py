@@ -345,6 +345,11 @@ class RunConfig:
         _choice("run", "actor_prefix", self.actor_prefix, ACTOR_PREFIX)
 
 
+# On a CPU one fp32 score block [B, N, H, bq, bk] of the blockwise attention is kept at most this large, so it
+# stays in the cache (``models/attention.cache_block``); the simulator prices those bytes at a cache-sized rate.
+CPU_BLOCK_BYTES = 4 << 20
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProgramConfig:
     """How the JAX programs compute (not what): attention kernel, its block size, rematerialisation.

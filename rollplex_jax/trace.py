@@ -214,15 +214,8 @@ def overlap_stats(spans: Iterable[Span], alone_rollout_s: Mapping[int, float]) -
       the decode ended, on the critical path), ``critical_path_saving_s`` (hidden minus slowdown: the
       paper's min(T_prefix - slowdown, T_decode), with T_prefix the prefix's span in this run).
     """
-    by_step: dict[int, dict[str, Span]] = {}
-    for s in spans:
-        if s.name in ("rollout", "prefix"):
-            by_step.setdefault(s.step, {})[s.name] = s
     out = {}
-    for step, d in sorted(by_step.items()):
-        if len(d) < 2:
-            continue
-        roll, pre = d["rollout"], d["prefix"]
+    for step, (roll, pre) in sorted(_rollout_and_prefix(spans).items()):
         hidden = max(0.0, min(pre.end, roll.end) - max(pre.start, roll.start))
         row = {"hidden_prefix_s": hidden, "exposed_prefix_s": max(0.0, pre.end - max(roll.end, pre.start))}
         if step in alone_rollout_s:
@@ -236,11 +229,10 @@ def overlap_spans(spans: Iterable[Span], stats: Mapping[int, Mapping[str, float]
     """Spans on an "overlap" lane that draw ``overlap_stats``: each step's hidden prefix time (the prefix's part
     inside the decode) and its decode slowdown (the end of the rollout beyond its alone time), both with the
     step's stats as args."""
-    rollouts = {s.step: s for s in spans if s.name == "rollout"}
-    prefixes = {s.step: s for s in spans if s.name == "prefix"}
+    pairs = _rollout_and_prefix(spans)
     out = []
     for step, row in stats.items():
-        roll, pre = rollouts[step], prefixes[step]
+        roll, pre = pairs[step]
         start = max(pre.start, roll.start)
         out.append(Span("overlap", "hidden prefix", step, start, start + row["hidden_prefix_s"], dict(row)))
         slow = row.get("decode_slowdown_s", 0.0)
@@ -248,3 +240,12 @@ def overlap_spans(spans: Iterable[Span], stats: Mapping[int, Mapping[str, float]
             out.append(Span("overlap", "decode slowdown", step, roll.end - min(slow, roll.duration), roll.end,
                             dict(row)))
     return out
+
+
+def _rollout_and_prefix(spans: Iterable[Span]) -> dict[int, tuple[Span, Span]]:
+    """step -> (its "rollout" span, its "prefix" span), for the steps that have both."""
+    by_step: dict[int, dict[str, Span]] = {}
+    for s in spans:
+        if s.name in ("rollout", "prefix"):
+            by_step.setdefault(s.step, {})[s.name] = s
+    return {step: (d["rollout"], d["prefix"]) for step, d in by_step.items() if len(d) == 2}

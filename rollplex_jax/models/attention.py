@@ -62,6 +62,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from rollplex_jax.config import CPU_BLOCK_BYTES
+
 log = logging.getLogger(__name__)
 _F32 = jnp.float32
 
@@ -120,8 +122,6 @@ def attention(q: jax.Array, sources: list[KVSource], *, impl: str = "blockwise",
     return blockwise_attention(q, sources, block)
 
 
-# On the CPU, one fp32 score block [B, N, H, bq, bk] of the blockwise path is kept at most this large.
-CPU_BLOCK_BYTES = 4 << 20
 
 
 def cache_block(block: int, rows: int, t: int, s: int) -> int:

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from rollplex_jax.config import Config
+from rollplex_jax.config import CPU_BLOCK_BYTES, Config
 from rollplex_jax.hardware import Hardware
 from rollplex_jax.planner import PlanMesh, ProgramModel
-
-CPU_BLOCK_BYTES = 4 << 20  # the CPU blockwise attention's score block (models/attention.py; no jax import here)
 
 OPS_PER_LAYER = 16
 # Elementwise bytes of the DENSE program model (the programs with --attention=dense --remat=none, as XLA
