@@ -286,6 +286,25 @@ def test_a_layout_that_does_not_describe_vllm_is_refused(engine, cfg, params):
         pub.publish(params, version=0)
 
 
+def test_answers_of_a_prompt_share_its_prefill_within_a_rollout(engine, cfg, params, note):
+    """The prefix cache (reset at each bind) lets a prompt's G answers share its full KV blocks; the rollout says
+    how many prompt tokens vLLM really prefilled, from its counters: the first answer of each prompt all of its
+    prompt, the others only the part past the last full block."""
+    bind(engine, cfg, params)  # resets the cache: nothing from earlier tests is reused
+    bs = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    prompts = long_prompts(bs)
+    lens = prompts.attention_mask.sum(1)
+    g = 4
+    want = int(sum(n + (g - 1) * (n - (n // bs) * bs) for n in lens))
+    for sp in (SamplingParams(temperature=1.0, max_new_tokens=4, seed=3),  # n=4 per request
+               SamplingParams(temperature=0.0, max_new_tokens=4)):  # greedy: 4 copies of each request
+        bind(engine, cfg, params)
+        r = engine.generate(prompts, n=g, sampling=sp)
+        assert r.prefill_tokens == want, (sp.temperature, r.prefill_tokens, want)
+    note(f"vLLM prefix sharing: {want} of {g * int(lens.sum())} prompt tokens prefilled "
+         f"(block {bs}; prompts of {lens.tolist()} tokens, G={g})")
+
+
 # Tests that build engines of their own come last: a second vLLM instance tears down the process's
 # parallel state that the module's engine uses.
 
@@ -329,23 +348,3 @@ def test_bf16_engine_shares_and_matches_within_bf16_tolerance(tmp_path, note):
         assert score <= 1.043
     finally:
         eng.release()
-
-
-
-def test_answers_of_a_prompt_share_its_prefill_within_a_rollout(engine, cfg, params, note):
-    """The prefix cache (reset at each bind) lets a prompt's G answers share its full KV blocks; the rollout says
-    how many prompt tokens vLLM really prefilled, from its counters: the first answer of each prompt all of its
-    prompt, the others only the part past the last full block."""
-    bind(engine, cfg, params)  # resets the cache: nothing from earlier tests is reused
-    bs = engine.llm.llm_engine.vllm_config.cache_config.block_size
-    prompts = long_prompts(bs)
-    lens = prompts.attention_mask.sum(1)
-    g = 4
-    want = int(sum(n + (g - 1) * (n - (n // bs) * bs) for n in lens))
-    for sp in (SamplingParams(temperature=1.0, max_new_tokens=4, seed=3),  # n=4 per request
-               SamplingParams(temperature=0.0, max_new_tokens=4)):  # greedy: 4 copies of each request
-        bind(engine, cfg, params)
-        r = engine.generate(prompts, n=g, sampling=sp)
-        assert r.prefill_tokens == want, (sp.temperature, r.prefill_tokens, want)
-    note(f"vLLM prefix sharing: {want} of {g * int(lens.sum())} prompt tokens prefilled "
-         f"(block {bs}; prompts of {lens.tolist()} tokens, G={g})")
