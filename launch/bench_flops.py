@@ -28,7 +28,8 @@ def serial_phase_rates(runner, phases_s: dict[str, float]) -> dict[str, dict[str
     state = runner.state
     costs = serial_phase_costs(cfg.model, cfg.rl, cfg.optim, cfg.programs, state.params,
                                state.ref_params if use_ref else state.params,
-                               micro_batches(cfg.model, prompts, ro, cfg.rl.micro_batch), weights,
+                               micro_batches(cfg.model, prompts, ro, cfg.rl.micro_batch,
+                                             pack=cfg.programs.packing), weights,
                                jnp.zeros(b * g, jnp.float32), None,
                                jnp.zeros((b * g, tr), jnp.float32) if use_ref else None)
     out = {}

@@ -294,6 +294,9 @@ _HELP = {
                  "everywhere else and on CPU, with a log line).",
     "attention_block": "Query/key block length of the blockwise kernel; a call whose queries and keys all fit in one "
                        "block uses the dense path (the same single block).",
+    "packing": "Padding-free scoring and training: pack the rows' real tokens into fewer rows of the same length "
+               "with segment ids (exact: the padded computation up to float summation order) wherever that saves a "
+               "row; --nopacking: left-padded rows as the rollout returns them.",
     "remat": "Rematerialisation per decoder layer and vision block: layer (keep only each layer's input for the "
              "backward), dots (also the weight matmuls' outputs), none (keep every intermediate).",
 }

@@ -360,11 +360,14 @@ class ProgramConfig:
     GPU for the cases it expresses exactly, blockwise otherwise; see ``models/attention.py``).
     ``remat``: per decoder layer and vision block, ``layer`` keeps only each layer's input for the
     backward, ``dots`` also its weight matmuls' outputs, ``none`` every intermediate.
+    ``packing``: scoring and training run on the rows' real tokens packed into fewer rows of the same length
+    (segment ids; ``models/qwen2_5_vl/packing.py``) wherever that saves a row; ``False``: left-padded rows.
     """
 
     attention: str = "blockwise"
     attention_block: int = 512  # query/key block length of the blockwise kernel
     remat: str = "layer"
+    packing: bool = True
 
     def __post_init__(self):
         _choice("programs", "attention", self.attention, ATTENTIONS)

@@ -124,7 +124,8 @@ class RollplexOps:
     def _prepare(self, p0: int, p1: int) -> ModelInputs:
         r = self.rows if (p0, p1) == (0, self.n_rows) else select_rows(self.cfg.model, self.rows, range(p0, p1))
         return prepare_inputs(self.cfg.model, r.input_ids, r.attention_mask, r.pixel_values, r.image_grid_thw,
-                              r.video_grid_thw, r.second_per_grid_ts, groups=self.cfg.mesh.train_fsdp)
+                              r.video_grid_thw, r.second_per_grid_ts, groups=self.cfg.mesh.train_fsdp,
+                              pack=self.cfg.programs.packing)
 
     def _part(self, p0: int, p1: int):
         """(inputs, frozen vision embeds) of prefix rows [p0, p1)."""

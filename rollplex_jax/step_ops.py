@@ -66,7 +66,7 @@ class SerialOps:
         self.prog, self.tracer, self.step = programs, tracer, step
         self.mbs = [mb for rows in mini_batch_rows(b * g, cfg.rl.mini_batches)
                     for mb in micro_batches(cfg.model, prompts, rollouts, cfg.rl.micro_batch, rows,
-                                              cfg.mesh.train_fsdp)]
+                                              cfg.mesh.train_fsdp, cfg.programs.packing)]
         self.ref_params = ref_params
         self.on_live = None  # nothing of its own is live beyond one program call
 

@@ -7,6 +7,8 @@ boundary KV and causally to themselves). Each source describes its mask compactl
 
 - ``valid`` [B, S] or [B, N, S]: key validity (left or right padding, segment padding);
 - ``causal`` with a static ``q_offset``: key j is visible to query i iff j <= i + q_offset;
+- ``segments`` [B, (N,) S] with ``q_segments`` [B, N, T] (int): key j is visible to query i only if their
+  segment ids are equal (packed rows: several sequences in one row, ``qwen2_5_vl/packing.py``);
 - k, v [B, S, K, d] (shared by the N axis: one prompt's KV serves its N answers, never copied N
   times) or [B, N, S, K, d]. GQA: H % K == 0, q is viewed as [.., K, G, d]; K/V are never repeated.
 
@@ -68,7 +70,7 @@ log = logging.getLogger(__name__)
 _F32 = jnp.float32
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "valid"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "valid", "segments", "q_segments"],
                    meta_fields=["causal", "q_offset", "right_padded"])
 @dataclasses.dataclass(frozen=True)
 class KVSource:
@@ -78,6 +80,8 @@ class KVSource:
     valid: bool [B, S] (shared) or [B, N, S]: which keys exist (not padding).
     causal: key j is visible to query i only if j <= i + q_offset (static).
     right_padded: the caller guarantees ``valid`` is a prefix of every row (cuDNN takes lengths).
+    segments: int [B, S] or [B, N, S] (like ``valid``), with q_segments int [B, N, T]: a key is visible to a
+      query only where the two ids are equal (both or neither given).
     """
 
     k: jax.Array
@@ -86,6 +90,8 @@ class KVSource:
     causal: bool = False
     q_offset: int = 0
     right_padded: bool = False
+    segments: jax.Array | None = None
+    q_segments: jax.Array | None = None
 
     @property
     def shared(self) -> bool:
@@ -161,16 +167,28 @@ class _MaskView:
     q_offset: int
 
 
-def _mask(src: KVSource | _MaskView, valid, q_start, bq: int, k_start, bk: int) -> jax.Array:
+def _mask(src: KVSource | _MaskView, valid, q_start, bq: int, k_start, bk: int, segs=None) -> jax.Array:
     """Visible keys of a [bq, bk] block starting at (q_start, k_start), broadcastable to "bnkgqs".
 
-    valid: the block's key validity [B, bk] (shared source) or [B, N, bk]."""
+    valid: the block's key validity [B, bk] (shared source) or [B, N, bk]; segs: None or the block's
+    (query segments [B, N, bq], key segments shaped like ``valid``)."""
     m = valid[:, None] if src.shared else valid  # [B, 1 or N, bk]
     m = m[:, :, None, None, None, :]
     if src.causal:
         qpos = q_start + jnp.arange(bq)[:, None] + src.q_offset
         m = m & (qpos >= k_start + jnp.arange(bk)[None, :])
+    if segs is not None:
+        qs, ks = segs
+        ks = ks[:, None] if src.shared else ks
+        m = m & (qs[:, :, None, None, :, None] == ks[:, :, None, None, None, :])
     return m
+
+
+def _segs(src: KVSource):
+    """The source's (query segments, key segments), or None."""
+    if (src.segments is None) != (src.q_segments is None):
+        raise ValueError("KVSource: give both segments and q_segments, or neither")
+    return None if src.segments is None else (src.q_segments, src.segments)
 
 
 def _group(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -196,11 +214,12 @@ def dense_attention(q: jax.Array, sources: list[KVSource]) -> jax.Array:
     qg, q_sub = _squeeze(_group(q, kh), "bnqkgd", drop)
     s_sub = "".join(c for c in "bnkgqs" if c not in drop)
     neg = jnp.finfo(_F32).min
-    scores = []
+    scores, masks = [], []
     for s in sources:
         k, k_sub = _squeeze(s.k, _sub(s), drop)
         x = jnp.einsum(f"{q_sub},{k_sub}->{s_sub}", qg, k)
-        mask = jnp.broadcast_to(_mask(s, s.valid, 0, t, 0, s.length), (b, n, kh, h // kh, t, s.length))
+        mask = jnp.broadcast_to(_mask(s, s.valid, 0, t, 0, s.length, _segs(s)), (b, n, kh, h // kh, t, s.length))
+        masks.append(mask)
         scores.append(jnp.where(mask.reshape(x.shape), x.astype(_F32) * d**-0.5, neg))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(q.dtype)
     parts = jnp.split(probs, [sum(s.length for s in sources[:i + 1]) for i in range(len(sources) - 1)], axis=-1)
@@ -211,8 +230,12 @@ def dense_attention(q: jax.Array, sources: list[KVSource]) -> jax.Array:
     out = out.reshape(b, n, t, kh, h // kh, d)
     # A row with no visible key: 0 (the blockwise path's definition), not the mean of every value; zeroing
     # the output (not the [T, S] probabilities) also zeroes that row's gradient.
-    seen = functools.reduce(jnp.logical_or, [_row_seen(s, t) for s in sources])
-    return jnp.where(seen[..., None], out, 0).reshape(b, n, t, h * d)
+    if any(_segs(s) is not None for s in sources):  # the masks say it (segments make it O(T S) anyway)
+        seen = functools.reduce(jnp.logical_or, [m.any(axis=-1) for m in masks])  # [B, N, K, G, T]
+        seen = jnp.moveaxis(seen, -1, 2)[..., None]  # [B, N, T, K, G, 1]
+    else:
+        seen = functools.reduce(jnp.logical_or, [_row_seen(s, t) for s in sources])[..., None]
+    return jnp.where(seen, out, 0).reshape(b, n, t, h * d)
 
 
 def _row_seen(src: KVSource, t: int) -> jax.Array:
@@ -265,13 +288,16 @@ def blockwise_attention(q: jax.Array, sources: list[KVSource], block: int) -> ja
     ks = tuple(_pad_to(s.k, s.k.ndim - 3, bk) for s, bk in zip(sources, bks, strict=True))
     vs = tuple(_pad_to(s.v, s.v.ndim - 3, bk) for s, bk in zip(sources, bks, strict=True))
     valids = tuple(_pad_to(s.valid, s.valid.ndim - 1, bk, False) for s, bk in zip(sources, bks, strict=True))
-    out = _flash(spec, qg, ks, vs, valids)
+    segs = tuple(None if _segs(s) is None else (_pad_to(s.q_segments, 2, bq, -1), _pad_to(s.segments, s.segments.ndim - 1,
+                                                                                       bk, -2))
+                 for s, bk in zip(sources, bks, strict=True))
+    out = _flash(spec, qg, ks, vs, valids, segs)
     return out[:, :, :t].reshape(b, n, t, h * d)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(spec: _Spec, q, ks, vs, valids):
-    return _flash_fwd(spec, q, ks, vs, valids)[0]
+def _flash(spec: _Spec, q, ks, vs, valids, segs):
+    return _flash_fwd(spec, q, ks, vs, valids, segs)[0]
 
 
 def _key_blocks(spec: _Spec, s: int, i, nk: int):
@@ -293,23 +319,25 @@ def _slice(x, start, size: int, axis: int):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _block_scores(spec: _Spec, s: int, qi, kj, valid, i, j):
+def _block_scores(spec: _Spec, s: int, qi, kj, valid, seg, i, j):
     """Scaled fp32 scores [B, N, K, G, bq, bk] of query block i against key block j, and the block's mask."""
     bk = spec.bk[s]
     sub = "bskd" if spec.shared[s] else "bnskd"
     scores = jnp.einsum(f"bnqkgd,{sub}->bnkgqs", qi, kj, preferred_element_type=_F32) * spec.scale
     vj = _slice(valid, j * bk, bk, valid.ndim - 1)
     view = _MaskView(shared=spec.shared[s], causal=spec.causal[s], q_offset=spec.q_offset[s])
-    mask = _mask(view, vj, i * spec.bq, spec.bq, j * bk, bk)
+    if seg is not None:
+        seg = (_slice(seg[0], i * spec.bq, spec.bq, 2), _slice(seg[1], j * bk, bk, seg[1].ndim - 1))
+    mask = _mask(view, vj, i * spec.bq, spec.bq, j * bk, bk, seg)
     return scores, mask
 
 
-def _fwd_step(spec: _Spec, s: int, qi, i, k, v, valid, j, state):
+def _fwd_step(spec: _Spec, s: int, qi, i, k, v, valid, seg, j, state):
     """One online-softmax update of (max, sum, acc) [B, N, K, G, bq](, d) with key block j of source s."""
     m, total, acc = state
     bk, axis = spec.bk[s], k.ndim - 3
     kj, vj = _slice(k, j * bk, bk, axis), _slice(v, j * bk, bk, axis)
-    scores, mask = _block_scores(spec, s, qi, kj, valid, i, j)
+    scores, mask = _block_scores(spec, s, qi, kj, valid, seg, i, j)
     scores = jnp.where(mask, scores, -jnp.inf)
     m_new = jnp.maximum(m, scores.max(axis=-1))
     m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # nothing visible yet: keep exp() at 0, not NaN
@@ -320,7 +348,7 @@ def _fwd_step(spec: _Spec, s: int, qi, i, k, v, valid, j, state):
     return m_new, alpha * total + p.sum(axis=-1), alpha[..., None] * acc + pv
 
 
-def _flash_fwd(spec: _Spec, q, ks, vs, valids):
+def _flash_fwd(spec: _Spec, q, ks, vs, valids, segs):
     """Forward of q [B, N, T, K, G, d]: (out like q, (residuals)); out 0 where no key is visible."""
     b, n, t, kh, g, d = q.shape
     nq = t // spec.bq
@@ -330,9 +358,9 @@ def _flash_fwd(spec: _Spec, q, ks, vs, valids):
         qi = _slice(q, i * spec.bq, spec.bq, 2)
         state = (jnp.full((b, n, kh, g, spec.bq), -jnp.inf, _F32), jnp.zeros((b, n, kh, g, spec.bq), _F32),
                  jnp.zeros((b, n, kh, g, spec.bq, d), _F32))
-        for s, (k, v, valid) in enumerate(zip(ks, vs, valids, strict=True)):
+        for s, (k, v, valid, seg) in enumerate(zip(ks, vs, valids, segs, strict=True)):
             lo, hi = _key_blocks(spec, s, i, k.shape[-3] // spec.bk[s])
-            state = jax.lax.fori_loop(lo, hi, functools.partial(_fwd_step, spec, s, qi, i, k, v, valid), state)
+            state = jax.lax.fori_loop(lo, hi, functools.partial(_fwd_step, spec, s, qi, i, k, v, valid, seg), state)
         m, total, acc = state
         seen = total > 0
         o = acc / jnp.where(seen, total, 1.0)[..., None]
@@ -343,15 +371,15 @@ def _flash_fwd(spec: _Spec, q, ks, vs, valids):
         return out, jax.lax.dynamic_update_slice_in_dim(lse, lse_i, i * spec.bq, axis=4)
 
     out, lse = jax.lax.fori_loop(0, nq, q_block, (jnp.zeros_like(q), jnp.zeros((b, n, kh, g, t), _F32)))
-    return out, (q, ks, vs, valids, out, lse)
+    return out, (q, ks, vs, valids, segs, out, lse)
 
 
-def _bwd_step(spec: _Spec, s: int, kj, vj, j, q, do, lse, delta, valid, i, carry):
+def _bwd_step(spec: _Spec, s: int, kj, vj, j, q, do, lse, delta, valid, seg, i, carry):
     """Query block i's share of the gradients through key block j of source s."""
     dq, dk, dv = carry
     bq = spec.bq
     qi, doi = _slice(q, i * bq, bq, 2), _slice(do, i * bq, bq, 2)
-    scores, mask = _block_scores(spec, s, qi, kj, valid, i, j)
+    scores, mask = _block_scores(spec, s, qi, kj, valid, seg, i, j)
     lse_i, delta_i = _slice(lse, i * bq, bq, 4), _slice(delta, i * bq, bq, 4)
     p = jnp.where(mask, jnp.exp(scores - lse_i[..., None]), 0.0)
     sub = "bskd" if spec.shared[s] else "bnskd"
@@ -364,7 +392,7 @@ def _bwd_step(spec: _Spec, s: int, kj, vj, j, q, do, lse, delta, valid, i, carry
     return dq, dk, dv
 
 
-def _source_bwd(spec: _Spec, s: int, q, do, lse, delta, k, v, valid, dq):
+def _source_bwd(spec: _Spec, s: int, q, do, lse, delta, k, v, valid, seg, dq):
     """Gradients w.r.t. one source's k, v (fp32, like k) and its share of dq, looping over key blocks."""
     bk, axis = spec.bk[s], k.ndim - 3
     nq, nk = q.shape[2] // spec.bq, k.shape[axis] // bk
@@ -374,7 +402,7 @@ def _source_bwd(spec: _Spec, s: int, q, do, lse, delta, k, v, valid, dq):
         kj, vj = _slice(k, j * bk, bk, axis), _slice(v, j * bk, bk, axis)
         zeros = jnp.zeros(kj.shape, _F32)
         lo, hi = _query_blocks(spec, s, j, nq)
-        step = functools.partial(_bwd_step, spec, s, kj, vj, j, q, do, lse, delta, valid)
+        step = functools.partial(_bwd_step, spec, s, kj, vj, j, q, do, lse, delta, valid, seg)
         dq, dkj, dvj = jax.lax.fori_loop(lo, hi, step, (dq, zeros, zeros))
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj, j * bk, axis=axis)
         return dq, dk, jax.lax.dynamic_update_slice_in_dim(dv, dvj, j * bk, axis=axis)
@@ -384,14 +412,14 @@ def _source_bwd(spec: _Spec, s: int, q, do, lse, delta, k, v, valid, dq):
 
 
 def _flash_bwd(spec: _Spec, res, do):
-    q, ks, vs, valids, out, lse = res
+    q, ks, vs, valids, segs, out, lse = res
     delta = jnp.einsum("bnqkgd,bnqkgd->bnkgq", do.astype(_F32), out.astype(_F32))
     dq, dks, dvs = jnp.zeros(q.shape, _F32), [], []
-    for s, (k, v, valid) in enumerate(zip(ks, vs, valids, strict=True)):
-        dq, dk, dv = _source_bwd(spec, s, q, do, lse, delta, k, v, valid, dq)
+    for s, (k, v, valid, seg) in enumerate(zip(ks, vs, valids, segs, strict=True)):
+        dq, dk, dv = _source_bwd(spec, s, q, do, lse, delta, k, v, valid, seg, dq)
         dks.append(dk.astype(k.dtype))
         dvs.append(dv.astype(v.dtype))
-    return dq.astype(q.dtype), tuple(dks), tuple(dvs), None
+    return dq.astype(q.dtype), tuple(dks), tuple(dvs), None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -415,6 +443,8 @@ def _cudnn_unsupported(q: jax.Array, sources: list[KVSource]) -> str | None:
     if len(sources) != 1:
         return "several KV sources in one softmax (the suffix over a prefix)"
     src = sources[0]
+    if src.segments is not None:
+        return "segment ids (packed rows)"
     if not src.right_padded:
         return "keys not right-padded (cuDNN takes only sequence lengths; prompts are left-padded)"
     if src.causal and src.q_offset:

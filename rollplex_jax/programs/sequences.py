@@ -33,9 +33,10 @@ class MicroBatch:
 
 
 def micro_batches(cfg: ModelConfig, prompts: Prompts, rollouts: Rollouts, micro_batch: int,
-                  rows: slice | None = None, groups: int = 1) -> list[MicroBatch]:
+                  rows: slice | None = None, groups: int = 1, pack: bool = False) -> list[MicroBatch]:
     """Splits rows ``rows`` (default all) of the B*G (prompt ++ answer) rows into micro-batches of
-    at most ``micro_batch`` rows (row r = prompt r // G, answer r % G); ``groups``: see ``prepare_inputs``."""
+    at most ``micro_batch`` rows (row r = prompt r // G, answer r % G); ``groups``, ``pack`` (each micro-batch's
+    rows packed padding-free where that saves a row, ``--packing``): see ``prepare_inputs``."""
     b, g, tr = rollouts.response_ids.shape
     spans = _grid_spans(cfg, prompts)
     ids = np.concatenate([np.repeat(prompts.input_ids, g, 0), rollouts.response_ids.reshape(b * g, tr)], 1)
@@ -48,7 +49,7 @@ def micro_batches(cfg: ModelConfig, prompts: Prompts, rollouts: Rollouts, micro_
         r1 = min(r0 + micro_batch, rows.stop)
         pix, sel, secs = _select(prompts, spans, prompt_of_row[r0:r1])
         inputs = prepare_inputs(cfg, ids[r0:r1], mask[r0:r1], pix, *sel, second_per_grid_ts=secs,
-                                vision_region=region[r0:r1], groups=groups)
+                                vision_region=region[r0:r1], groups=groups, pack=pack)
         out.append(MicroBatch(slice(r0, r1), inputs, prompts.input_ids.shape[1],
                               rollouts.response_ids.reshape(b * g, tr)[r0:r1], rollouts.mask.reshape(b * g, tr)[r0:r1]))
     return out

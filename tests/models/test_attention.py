@@ -98,6 +98,35 @@ def test_answers_over_a_shared_prefix(heads, kv_heads):
     _close(g_blk, g_dense)  # q, own k/v, and the shared prefix k/v (summed over the N answers)
 
 
+@pytest.mark.parametrize("block", [3, 4])
+def test_packed_segments_equal_separate_rows(block):
+    """Several sequences packed in one row with segment ids (padding at the tail): blockwise = dense, and each
+    segment's output and gradients equal those of the same sequence alone in a left-padded row."""
+    rng = np.random.default_rng(7)
+    lens, t, heads, kv = [4, 2, 3], 11, 4, 2
+    seg = np.full(t, -1)
+    seg[:sum(lens)] = np.repeat(np.arange(len(lens)), lens)
+    segs = jnp.asarray(seg)[None, None]  # [1, 1, T]
+    valid = segs >= 0
+    q, k, v = _normal(rng, 1, 1, t, heads, D), _normal(rng, 1, 1, t, kv, D), _normal(rng, 1, 1, t, kv, D)
+
+    def fn(impl, block, q, k, v):
+        return _attend(impl, block, q, [A.KVSource(k, v, valid, causal=True, segments=segs, q_segments=segs)])
+
+    (dense, g_dense), (blk, g_blk) = _both(fn, (q, k, v), rng, block)
+    _close(blk, dense)
+    _close(g_blk, g_dense)
+    assert np.all(np.asarray(blk)[0, 0, sum(lens):] == 0) and np.all(np.asarray(dense)[0, 0, sum(lens):] == 0)
+    start = 0
+    for n in lens:  # the segment alone, left-padded to T (as the padded batch holds it)
+        rows = slice(start, start + n)
+        alone = [jnp.zeros_like(x).at[:, :, t - n:].set(x[:, :, rows]) for x in (q, k, v)]
+        one = _attend("dense", block, alone[0], [A.KVSource(alone[1], alone[2], _left_padded(rng, 1, t, [n])[:, None],
+                                                             causal=True)])
+        _close(np.asarray(blk)[:, :, rows], np.asarray(one)[:, :, t - n:])
+        start += n
+
+
 def test_causal_query_offset():
     """Queries that are the last T of S keys (bottom-right causal alignment), non-dividing blocks."""
     rng = np.random.default_rng(2)

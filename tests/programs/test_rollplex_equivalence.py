@@ -21,10 +21,12 @@ import pytest
 
 from rollplex_contract.batch import Prompts
 from rollplex_jax import rollplex_ops, scheduler
-from rollplex_jax.config import Config, DataConfig, ModelConfig, OptimConfig, RlConfig, RolloutConfig, RunConfig
+from rollplex_jax.config import (Config, DataConfig, ModelConfig, OptimConfig, ProgramConfig, RlConfig, RolloutConfig,
+                                 RunConfig)
 from rollplex_jax.data.dataset import collate
 from rollplex_jax.data.video_io import load_video, probe_video, video_spec
 from rollplex_jax.data.video_sampling import VideoRule
+from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.rl import losses
 from rollplex_jax.runner import Runner
@@ -156,6 +158,48 @@ def test_video_prompts_rollplex_equals_serial(tmp_path):
                 assert abs(x[key] - y[key]) <= TOL, (key, x[key], y[key])
     worst = assert_same_updates(pb, pa, lr=LR, updates=2)
     print(f"video prompts: worst param difference {worst:.3g} of the tolerance")
+
+
+def _mixed_prompts(cfg: ModelConfig) -> Prompts:
+    """Three prompts of 18, 3 and 8 tokens (two with an image): the short ones pack into one prefix row, and the
+    3-token prompt's prompt ++ answer rows (<= 6 tokens of 21) three to a row."""
+    rows = [[1, 9, ("image", (1, 4, 4)), 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [1, 13, 14],
+            [1, ("image", (1, 4, 4)), 15]]
+    return Prompts(**mm_inputs(cfg, rows, np.random.default_rng(0)))
+
+
+def test_packed_steps_equal_padded(tmp_path):
+    """--packing (the default: padding-free rows with segment ids) gives the left-padded computation's update in
+    both schedules, on prompts of different lengths where both pack (the prefix rows and the serial rows)."""
+    padded = dataclasses.replace(_config(tmp_path, "p"), programs=ProgramConfig(packing=False))
+    prompts = _mixed_prompts(padded.model)
+    assert M.prepare_inputs(padded.model, prompts.input_ids, prompts.attention_mask, prompts.pixel_values,
+                            prompts.image_grid_thw, pack=True).packing.input_ids.shape[0] == 2
+    oracle = _steps(padded, prompts)
+    assert any(m["skipped_steps/no_signal"] == 0 for m in oracle[0])
+    for schedule in ("serial", "rollplex"):
+        cfg = _config(tmp_path, schedule, schedule=schedule)
+        assert cfg.programs.packing
+        ma, pa = _steps(cfg, prompts)
+        for x, y in zip(ma, oracle[0], strict=True):
+            assert x["reward/mean"] == y["reward/mean"]
+            for key in ("loss", "kl"):
+                assert abs(x[key] - y[key]) <= TOL, (schedule, key, x[key], y[key])
+        worst = assert_same_updates(pa, oracle[1], lr=LR, updates=2)
+        print(f"packed {schedule}: worst param difference {worst:.3g} of the tolerance")
+
+
+def test_serial_rows_of_a_short_prompt_pack(tmp_path):
+    """The serial micro-batches of the mixed prompts really run packed where rows fit: the 3-token prompt's four
+    rows in two packed rows; the 8-token prompt's rows (<= 11 of 21 tokens) stay one per row, so unpacked."""
+    cfg = _config(tmp_path, "s")
+    prompts = _mixed_prompts(cfg.model)
+    r = Runner(cfg)
+    ro = scheduler.sample(r.ctx, r.state.params, prompts, n=4, seed=1)
+    r.close()
+    mbs = micro_batches(cfg.model, prompts, ro, 4, pack=True)
+    assert [mb.inputs.packing is not None for mb in mbs] == [False, True, False]
+    assert mbs[1].inputs.packing.input_ids.shape == (2, 21)
 
 
 def test_stale_boundary_raises():

@@ -41,6 +41,7 @@ import numpy as np
 
 from rollplex_jax.config import ModelConfig, ProgramConfig
 from rollplex_jax.models.attention import KVSource
+from rollplex_jax.models.qwen2_5_vl import packing as P
 from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.layers import layer_params, rematerialise
 from rollplex_jax.models.qwen2_5_vl.text import decoder_layer, embed, final_norm, lm_logits
@@ -56,7 +57,9 @@ class ModelInputs:
     positions: [3, B, T] M-RoPE index;
     next_position: [B] text position after each row's last real token;
     pixel_values: [N, patch_dim] patches of all images (batch order) then all videos, or None;
-    layout: ``VisionLayout.arrays()`` of the same grids, or None.
+    layout: ``VisionLayout.arrays()`` of the same grids, or None;
+    packing: the rows' real tokens packed into fewer rows (``packing.Packing``), which the decoder then runs
+      on instead of the padded arrays (outputs are returned in the padded layout), or None.
     """
 
     input_ids: jax.Array
@@ -66,6 +69,7 @@ class ModelInputs:
     next_position: jax.Array
     pixel_values: jax.Array | None = None
     layout: dict | None = None
+    packing: P.Packing | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -89,6 +93,7 @@ def prepare_inputs(
     second_per_grid_ts: np.ndarray | None = None,
     vision_region: np.ndarray | None = None,
     groups: int = 1,
+    pack: bool = False,
 ) -> ModelInputs:
     """Checks token/grid consistency and computes positions and the vision layout (host side).
 
@@ -99,7 +104,8 @@ def prepare_inputs(
     every video, matching ``image_grid_thw`` then ``video_grid_thw``; ``second_per_grid_ts`` [n_videos] the
     videos' seconds per temporal grid step (M-RoPE time scale; None: 1.0 each). ``vision_region`` [B, T]
     marks where placeholders may be (default everywhere; the prompt part of prompt ++ answer
-    rows, since a sampled answer may contain the pad ids as plain tokens).
+    rows, since a sampled answer may contain the pad ids as plain tokens). ``pack``: the decoder runs on the
+    rows' real tokens packed into fewer rows of the same length (``packing.py``) where that saves a row.
     """
     input_ids = np.asarray(input_ids)
     attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
@@ -126,6 +132,7 @@ def prepare_inputs(
     positions, next_pos = rope.get_rope_index(input_ids, attention_mask, cfg, image_grid_thw, video_grid_thw,
                                               second_per_grid_ts, types)
     layout = rope.vision_layout(grids, cfg.vision).arrays(groups) if len(grids) else None
+    packed = P.pack_layout(attention_mask, groups) if pack else None
     return ModelInputs(
         input_ids=jnp.asarray(input_ids, jnp.int32),
         attention_mask=jnp.asarray(attention_mask, jnp.int32),
@@ -134,6 +141,7 @@ def prepare_inputs(
         next_position=jnp.asarray(next_pos),
         pixel_values=None if layout is None else jnp.asarray(pixel_values, jnp.float32),
         layout=None if layout is None else {k: jnp.asarray(v) for k, v in layout.items()},
+        packing=None if packed is None else P.pack(input_ids, types, np.asarray(positions), packed),
     )
 
 
@@ -145,21 +153,22 @@ def encode_vision(params: dict, cfg: ModelConfig, inputs: ModelInputs, *,
     return vision_forward(params, cfg.vision, inputs.pixel_values, inputs.layout, prog=prog)
 
 
-def _layer_fn(cfg: ModelConfig, prog: ProgramConfig, i: int, p, h, cos, sin, self_valid, prefix):
+def _layer_fn(cfg: ModelConfig, prog: ProgramConfig, i: int, p, h, cos, sin, self_valid, prefix, segments):
     """Layer i, with the prefix's boundary KV (whole [L, ...] arrays: sliced here, inside the checkpoint,
     so a remat'd layer keeps no slice of its own as a residual)."""
     extra = [] if prefix is None else [KVSource(prefix.k[i], prefix.v[i], prefix.mask)]
-    return decoder_layer(p, i, h, cos, sin, extra, self_valid, cfg.text, prog=prog)
+    return decoder_layer(p, i, h, cos, sin, extra, self_valid, cfg.text, prog=prog, self_segments=segments)
 
 
-def _decoder(params, cfg: ModelConfig, h, cos, sin, self_valid, prefix: PrefixState | None, prog: ProgramConfig):
-    """Runs all layers on h [B, N, T, D] (tokens' validity [B, N, T], attending to ``prefix``'s KV if given);
-    returns final-normed h, per-layer outputs and (k, v). Unrolled, one checkpoint per layer (module
-    docstring: why not a scan)."""
+def _decoder(params, cfg: ModelConfig, h, cos, sin, self_valid, prefix: PrefixState | None, prog: ProgramConfig,
+             segments=None):
+    """Runs all layers on h [B, N, T, D] (tokens' validity [B, N, T], attending to ``prefix``'s KV if given;
+    ``segments`` [B, N, T]: packed rows' segment ids, or None); returns final-normed h, per-layer outputs and
+    (k, v). Unrolled, one checkpoint per layer (module docstring: why not a scan)."""
     hidden, kvs = [], []
     for i in range(cfg.text.num_hidden_layers):
         layer = rematerialise(functools.partial(_layer_fn, cfg, prog, i), prog.remat)
-        h, kv = layer(layer_params(params, f"model.layers.{i}."), h, cos, sin, self_valid, prefix)
+        h, kv = layer(layer_params(params, f"model.layers.{i}."), h, cos, sin, self_valid, prefix, segments)
         hidden.append(h)
         kvs.append(kv)
     return final_norm(params, h, cfg.text), hidden, kvs
@@ -167,14 +176,29 @@ def _decoder(params, cfg: ModelConfig, h, cos, sin, self_valid, prefix: PrefixSt
 
 def _rows_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds, prog: ProgramConfig):
     """Causal decoder over whole rows (vision tokens scattered in): final-normed h [B, T, D],
-    per-layer outputs and per-layer (k, v), each with a singleton response axis dropped."""
+    per-layer outputs and per-layer (k, v), each with a singleton response axis dropped; over the packed rows
+    ([P, T, ...]) when ``inputs.packing`` is set (``_to_rows`` brings an output back to the padded layout)."""
     if vision_embeds is None:
         vision_embeds = encode_vision(params, cfg, inputs, prog=prog)
-    h = embed(params, cfg, inputs.input_ids, vision_embeds, inputs.token_types)[:, None]
-    cos, sin = rope.mrope_cos_sin(inputs.positions, cfg.text, h.dtype)
-    valid = inputs.attention_mask[:, None].astype(bool)  # [B, 1, T]; left padding, so not a prefix of the row
-    h, hidden, kvs = _decoder(params, cfg, h, cos[:, None], sin[:, None], valid, None, prog)
+    pk = inputs.packing
+    src = inputs if pk is None else pk
+    h = embed(params, cfg, src.input_ids, vision_embeds, src.token_types)[:, None]
+    cos, sin = rope.mrope_cos_sin(src.positions, cfg.text, h.dtype)
+    if pk is None:
+        valid, segments = inputs.attention_mask[:, None].astype(bool), None  # [B, 1, T]; left padding
+    else:
+        segments = pk.segments[:, None]  # [P, 1, T]
+        valid = segments >= 0
+    h, hidden, kvs = _decoder(params, cfg, h, cos[:, None], sin[:, None], valid, None, prog, segments)
     return h[:, 0], [x[:, 0] for x in hidden], [(k[:, 0], v[:, 0]) for k, v in kvs]
+
+
+def _to_rows(inputs: ModelInputs, x: jax.Array, window=None) -> jax.Array:
+    """An output of ``_rows_forward`` [B or P, T, ...] in the padded layout [B, T, ...] (positions
+    [start, start + length) only for ``window=(start, length)``)."""
+    if inputs.packing is not None:
+        return P.unpack_rows(x, inputs.packing, window)
+    return x if window is None else jax.lax.dynamic_slice_in_dim(x, window[0], window[1], axis=1)
 
 
 def full_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds=None,
@@ -185,22 +209,24 @@ def full_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_emb
     ``start`` may be traced, ``length`` static): the vocabulary projection of the other positions (a prompt's
     thousands of tokens x V floats) is never computed."""
     h, hidden, _ = _rows_forward(params, cfg, inputs, vision_embeds, prog)
-    if logits_window is not None:
-        h = jax.lax.dynamic_slice_in_dim(h, logits_window[0], logits_window[1], axis=1)
-    logits = lm_logits(params, h, cfg)
-    return (logits, hidden) if return_hidden else logits
+    logits = lm_logits(params, _to_rows(inputs, h, logits_window), cfg)
+    return (logits, [_to_rows(inputs, x) for x in hidden]) if return_hidden else logits
 
 
 def prefix_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_embeds=None, *,
                    prog: ProgramConfig = ProgramConfig()):
     """Prompt rows -> (PrefixState, fp32 logits [B, V] at each row's last real token)."""
     h, _, kvs = _rows_forward(params, cfg, inputs, vision_embeds, prog)
-    t = inputs.input_ids.shape[1]
+    b, t = inputs.input_ids.shape
     last = t - 1 - jnp.argmax(inputs.attention_mask[:, ::-1], axis=1)
-    last_logits = lm_logits(params, h[jnp.arange(h.shape[0]), last], cfg)
+    if inputs.packing is None:
+        h_last = h[jnp.arange(b), last]
+    else:
+        h_last = h.reshape(-1, h.shape[-1])[inputs.packing.unpack[jnp.arange(b), last]]
+    last_logits = lm_logits(params, h_last, cfg)
     state = PrefixState(
-        k=jnp.stack([k for k, _ in kvs]),
-        v=jnp.stack([v for _, v in kvs]),
+        k=jnp.stack([_to_rows(inputs, k) for k, _ in kvs]),
+        v=jnp.stack([_to_rows(inputs, v) for _, v in kvs]),
         mask=inputs.attention_mask.astype(bool),
         next_position=inputs.next_position,
     )

@@ -38,13 +38,14 @@ def mlp(p: dict, layer: int, x: jax.Array) -> jax.Array:
 
 
 def decoder_layer(p: dict, layer: int, h: jax.Array, cos, sin, extra: list[KVSource], self_valid: jax.Array,
-                  cfg: TextConfig, *, prog: ProgramConfig = ProgramConfig()):
+                  cfg: TextConfig, *, prog: ProgramConfig = ProgramConfig(), self_segments: jax.Array | None = None):
     """One decoder layer over h [B, N, T, D].
 
     Args:
       extra: sources attended to before the block's own keys (e.g. a prefix's boundary KV).
       self_valid: bool [B, N, T], which of the block's own tokens are real (its keys are causal).
       prog: the attention kernel and its block (``ProgramConfig``; remat is applied by the caller).
+      self_segments: int [B, N, T] or None: packed rows' segment ids (a token sees its own segment's keys only).
 
     Returns:
       (h_out [B, N, T, D], (k, v) of this block [B, N, T, K, d]).
@@ -53,7 +54,7 @@ def decoder_layer(p: dict, layer: int, h: jax.Array, cos, sin, extra: list[KVSou
     h = constrain_rows(h, (0, 1))
     x = rms_norm(h, p[pre + "input_layernorm.weight"], cfg.rms_norm_eps)
     q, k, v = qkv_projection(p, layer, x, cos, sin, cfg)
-    own = KVSource(k, v, self_valid, causal=True)
+    own = KVSource(k, v, self_valid, causal=True, segments=self_segments, q_segments=self_segments)
     a = attention(q, [*extra, own], impl=prog.attention, block=prog.attention_block)
     h = h + linear(a, p[pre + "self_attn.o_proj.weight"])
     h = h + mlp(p, layer, rms_norm(h, p[pre + "post_attention_layernorm.weight"], cfg.rms_norm_eps))
