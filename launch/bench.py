@@ -2,8 +2,8 @@
 
   python -m launch.bench --flagfile=configs/bench_cpu.flags [--bench_steps=4] [--bench_warmup=2]
 
-Modes: serial; rollplex (prefix sharing + overlap); overlap_only (--noprefix_sharing);
-sharing_only (--nooverlap). Each runs warm-up steps (compilation) then timed steps from the
+Modes (``--bench_modes``, default all): serial; rollplex (prefix sharing + overlap); overlap_only
+(--noprefix_sharing); sharing_only (--nooverlap). Each runs warm-up steps (compilation) then timed steps from the
 same initial params and prompts; step_s is the median timed step. The updated params of every
 mode are compared with serial's in units of the update (``rollplex_jax.equivalence``: per-element
 |a - b| / (lr x updates), attention key biases excluded, their exact gradient is zero): equivalent
@@ -39,6 +39,8 @@ _TOL = flags.DEFINE_float("bench_tolerance", 0.02, "Equivalent when the 99.9th p
                           "difference to serial is at most this fraction of the update scale (lr x updates): see "
                           "rollplex_jax/equivalence.py.")
 
+_MODES = flags.DEFINE_list("bench_modes", "serial,rollplex,overlap_only,sharing_only",
+                           "Modes to run (serial always runs, first: the others are compared with it).")
 _PEER = flags.DEFINE_bool("peer_report", False, "Also print the peer-report JSON line last: per mode step_s, "
                           "tokens_per_s_per_device, rollout_frac, and speedup over serial.")
 
@@ -82,6 +84,8 @@ def run_mode(cfg, name: str, steps: int, warmup: int, alone_rollout_s: dict[int,
     result = {"step_s": statistics.median(m["time/step_s"] for m in timed), "phases_s": phases,
               "tokens_per_s_per_device": statistics.median(m["perf/throughput"] for m in timed),
               "rollout_frac": statistics.median(m.get("time/rollout_s", 0.0) / m["time/step_s"] for m in timed),
+              "padding_frac": statistics.median(m["perf/padding_frac"] for m in timed),
+              "padding_frac_unpacked": statistics.median(m["perf/padding_frac_unpacked"] for m in timed),
               "overlap": overlap, "torch_threads": torch_threads, **({"phase_flops": rates} if rates else {}),
               "reward_mean": statistics.mean(m["reward/mean"] for m in timed)}
     return result, params, spans, alone_rollout_s
@@ -106,8 +110,12 @@ def main(argv):
     from rollplex_jax.trace import plot_timelines_side_by_side
 
     cfg = launch_flags.config_from_flags(flags.FLAGS)
+    unknown = set(_MODES.value) - set(MODES)
+    if unknown:
+        raise app.UsageError(f"--bench_modes: unknown {sorted(unknown)}; choose from {', '.join(MODES)}")
+    modes = [m for m in MODES if m == "serial" or m in _MODES.value]
     results, params, spans, alone = {}, {}, {}, None
-    for name in MODES:  # serial first: its rollouts are the alone times of the others'
+    for name in modes:  # serial first: its rollouts are the alone times of the others'
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         results[name], params[name], spans[name], alone = run_mode(cfg, name, _STEPS.value, _WARMUP.value, alone)
         print(f"bench: {name} step_s={results[name]['step_s']:.3f}", file=sys.stderr, flush=True)
@@ -119,15 +127,16 @@ def main(argv):
     dist = {name: update_distance(p, base, lr=cfg.optim.lr, updates=updates)
             for name, p in params.items() if name != "serial"}
     os.makedirs(os.path.join(cfg.run.workdir, "plots"), exist_ok=True)
-    plot_timelines_side_by_side({"serial": spans["serial"], "rollplex": spans["rollplex"]},
-                                os.path.join(cfg.run.workdir, "plots", "timeline_compare.png"))
+    if "rollplex" in spans:
+        plot_timelines_side_by_side({"serial": spans["serial"], "rollplex": spans["rollplex"]},
+                                    os.path.join(cfg.run.workdir, "plots", "timeline_compare.png"))
     serial_s = results["serial"]["step_s"]
     out = {
         "modes": results,
-        "speedup": {name: serial_s / results[name]["step_s"] for name in MODES if name != "serial"},
+        "speedup": {name: serial_s / results[name]["step_s"] for name in modes if name != "serial"},
         "equivalent": all(d["p999"] <= _TOL.value for d in dist.values()),
         "update_diff": {name: {k: d[k] for k in ("max", "p999", "worst")} for name, d in dist.items()},
-        "max_param_rel_diff": max(diffs.values()),  # per-tensor ||a - b|| / ||b||, for reference
+        "max_param_rel_diff": max(diffs.values(), default=0.0),  # per-tensor ||a - b|| / ||b||, for reference
         "param_rel_diff": diffs,
     }
     with open(os.path.join(cfg.run.workdir, "bench.json"), "w") as f:

@@ -201,6 +201,9 @@ _HELP = {
                       "(mp4 clips: how many times a square appears).",
     "synthetic_n": "Number of synthetic training prompts to write.",
     "synthetic_image_size": "Side in px of the synthetic images or video frames (56 = 2x2 vision tokens; 112 = 4x4).",
+    "synthetic_image_sizes": "Image tasks: comma-separated sides in px, each synthetic example drawing one (seeded): "
+                             "prompts of mixed lengths (e.g. 56,112,224,448); empty = every image "
+                             "--synthetic_image_size.",
     "synthetic_video_frames": "video_count: frames per clip at 2 fps (even, >= 8; every 2 frames are one temporal "
                               "step of the vision tower).",
     "eval_n": "Synthetic validation prompts written when training on a synthetic task (a --val_dataset file is used "

@@ -65,6 +65,7 @@ class DataConfig:
     synthetic_task: str = "colour"
     synthetic_n: int = 2048
     synthetic_image_size: int = 56
+    synthetic_image_sizes: str = ""  # comma-separated sides: each example draws one (prompts of mixed lengths)
     synthetic_video_frames: int = 8  # video_count: frames per clip (at 2 fps)
     eval_n: int = 256
     min_pixels: int = 56 * 56
@@ -84,6 +85,14 @@ class DataConfig:
     video_max_frames: int = 768
     video_total_pixels: int = int(128000 * 28 * 28 * 0.9)
 
+    def image_sizes(self) -> tuple[int, ...]:
+        """``synthetic_image_sizes`` as ints (empty: every image ``synthetic_image_size``)."""
+        try:
+            return tuple(int(x) for x in self.synthetic_image_sizes.split(",") if x.strip())
+        except ValueError:
+            raise ConfigError(f"data.synthetic_image_sizes={self.synthetic_image_sizes!r}: give comma-separated "
+                              "integers, e.g. 56,112,224") from None
+
     def __post_init__(self):
         _require(self.min_pixels > 0, "data.min_pixels", self.min_pixels, "must be > 0")
         _require(self.max_pixels >= self.min_pixels, "data.max_pixels", self.max_pixels,
@@ -93,6 +102,10 @@ class DataConfig:
         _require(self.synthetic_n > 0, "data.synthetic_n", self.synthetic_n, "must be > 0")
         _require(self.synthetic_image_size >= 56, "data.synthetic_image_size", self.synthetic_image_size,
                  "must be >= 56 px")
+        sizes = self.image_sizes()
+        _require(all(s >= 56 for s in sizes) and (not sizes or self.synthetic_task != "video_count"),
+                 "data.synthetic_image_sizes", self.synthetic_image_sizes,
+                 "must be comma-separated sides >= 56 px, for an image task")
         _require(self.synthetic_video_frames >= 8 and self.synthetic_video_frames % 2 == 0,
                  "data.synthetic_video_frames", self.synthetic_video_frames, "must be even and >= 8")
         _require(self.eval_n >= 0, "data.eval_n", self.eval_n, "must be >= 0")

@@ -30,7 +30,8 @@ import numpy as np
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
-from rollplex_jax.programs.sequences import mini_batch_rows, repeat_rows, select_rows, vision_token_rows
+from rollplex_jax.programs.sequences import (mini_batch_rows, repeat_rows, row_slots, select_rows,
+                                             vision_token_rows)
 from rollplex_jax.trace import Tracer
 
 
@@ -244,6 +245,11 @@ class RollplexOps:
                 self.on_live({**self.live(), "activations": (ct, g_prefix), "gradients": acc})
             acc = self.accumulate(acc, g_prefix)
         return acc, parts
+
+    def slots(self) -> np.ndarray:
+        """The prefix rows' (``sequences.row_slots``) plus the answers' (right-padded [rows, n, Tr], never packed)."""
+        answers = np.array([int(self.rmask.sum()), self.rmask.size, self.rmask.size], np.int64)
+        return row_slots(self.inputs) + answers
 
     # --- lifetimes ------------------------------------------------------------------------------------------
     def live(self) -> dict:

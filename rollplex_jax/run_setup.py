@@ -70,7 +70,7 @@ def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split
         out = os.path.join(workdir, "data" if split == "train" else "eval_data")
         if procs.writer and not os.path.exists(os.path.join(out, "data.jsonl")):
             synthetic.write_dataset(d.synthetic_task, n, out, seed, image_size=d.synthetic_image_size,
-                                    video_frames=d.synthetic_video_frames)
+                                    video_frames=d.synthetic_video_frames, image_sizes=d.image_sizes())
         multihost.barrier(f"data:{split}", procs)  # the others read what process 0 wrote
         path = os.path.join(out, "data.jsonl")
     return data_lib.load_dataset(path, tok, cfg.model.vision, min_pixels=d.min_pixels, max_pixels=d.max_pixels,

@@ -220,7 +220,7 @@ def _learn(ctx: StepContext, state: TrainState, ops: Ops, prompts: Prompts, roll
     adv = adv_lib.compute_advantages(penalized, cfg.rl.advantage, norm_by_std=cfg.rl.norm_by_std)
     metrics = {**step_metrics.reward_metrics(rewards, parts, scores.failures),
                **step_metrics.length_metrics(cfg.model, prompts, rollouts),
-               **step_metrics.prefill_metrics(prompts, rollouts),
+               **step_metrics.prefill_metrics(prompts, rollouts), **step_metrics.padding_metrics(ops.slots()),
                "response/stop_frac": float(np.mean([r == "stop" for row in rollouts.finish_reasons for r in row]))}
     # No signal: every advantage is zero, or every answer is empty -> no optimizer step at all
     # (a zero gradient would still move AdamW's params through its moments).

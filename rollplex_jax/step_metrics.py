@@ -73,6 +73,14 @@ def prefill_metrics(prompts: Prompts, rollouts: Rollouts) -> dict[str, float]:
             "rollout/prefill_shared_frac": 1.0 - rollouts.prefill_tokens / max(per_answer, 1.0)}
 
 
+def padding_metrics(slots) -> dict[str, float]:
+    """``perf/padding_frac``: the share of the token slots the scoring / training decoder ran over that were
+    padding (packed rows with ``--packing``); ``perf/padding_frac_unpacked``: the same share in left-padded rows.
+    ``slots``: [real tokens, left-padded slots, slots run] (``Ops.slots``)."""
+    real, padded, run = (float(x) for x in slots)
+    return {"perf/padding_frac": 1.0 - real / max(run, 1.0), "perf/padding_frac_unpacked": 1.0 - real / max(padded, 1.0)}
+
+
 def total_tokens(prompts: Prompts, rollouts: Rollouts) -> int:
     """Real prompt + answer tokens over every answer: sum_b G * prompt_b + sum_{b, g} answer_{b, g}."""
     g = rollouts.lengths.shape[1]

@@ -20,11 +20,12 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
 from rollplex_jax.programs.actor import Programs
-from rollplex_jax.programs.sequences import micro_batches, mini_batch_rows
+from rollplex_jax.programs.sequences import micro_batches, mini_batch_rows, row_slots
 from rollplex_jax.trace import Tracer
 
 
@@ -56,6 +57,9 @@ class Ops(Protocol):
     def live(self) -> dict:
         """What this step still holds, by buffer class (``memory_classes.CLASSES``)."""
 
+    def slots(self) -> np.ndarray:
+        """[real tokens, left-padded token slots, token slots run] of one scoring pass (``sequences.row_slots``)."""
+
 
 class SerialOps:
     """Full-sequence scoring and gradients (the baseline): B*G rows of prompt ++ answer."""
@@ -72,6 +76,9 @@ class SerialOps:
 
     def live(self) -> dict:
         return {"other": [(mb.inputs, mb.response_ids, mb.response_mask) for mb in self.mbs]}
+
+    def slots(self) -> np.ndarray:
+        return sum(row_slots(mb.inputs) for mb in self.mbs)
 
     def after_ref(self) -> None:
         pass

@@ -150,7 +150,8 @@ def _calibration_attempt(tmp_path, env) -> dict:
     pred = json.loads(r.stdout.strip().splitlines()[-1])
     assert (tmp_path / "sim" / "cpu_calibration.json").exists()
     b = subprocess.run([sys.executable, "-m", "launch.bench", "--flagfile=configs/bench_cpu.flags",
-                        f"--workdir={tmp_path}/bench", "--bench_steps=4", "--bench_warmup=1"],
+                        f"--workdir={tmp_path}/bench", "--bench_steps=4", "--bench_warmup=1",
+                        "--bench_modes=serial,rollplex"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert b.returncode == 0, b.stderr[-3000:]
     meas = json.loads(b.stdout.strip().splitlines()[-1])

@@ -119,13 +119,15 @@ def make_example(task: str, rng: np.random.Generator, image_size: int = 56) -> t
 
 
 def write_dataset(task: str, n: int, out_dir: str | os.PathLike, seed: int, image_size: int = 56,
-                  video_frames: int = 8) -> str:
+                  video_frames: int = 8, image_sizes: tuple[int, ...] = ()) -> str:
     """Writes ``n`` examples as PNGs (or, for ``video_count``, mp4 clips of ``video_frames`` frames:
     ``synthetic_video.write_video_dataset``) plus a JSONL index that ``dataset.load_dataset`` reads.
 
     Layout: ``out_dir/images/000000.png, ...`` and ``out_dir/data.jsonl`` with rows
     ``{"images": ["images/000000.png"], "prompt": ..., "answer": ...}`` (paths relative to
-    the JSONL file). Same (task, n, seed, image_size) -> same files.
+    the JSONL file). Same (task, n, seed, image_size) -> same files. ``image_sizes``: each example's side drawn
+    from these (by a generator of its own, so the same seed and sizes give the same files), for prompts of
+    mixed lengths.
 
     Returns:
         The path of ``data.jsonl``.
@@ -140,8 +142,9 @@ def write_dataset(task: str, n: int, out_dir: str | os.PathLike, seed: int, imag
     rng = np.random.default_rng(seed)
     width = max(6, len(str(n - 1)))
     rows = []
+    sides = np.random.default_rng([seed, 1]).choice(image_sizes, size=n) if image_sizes else np.full(n, image_size)
     for i in range(n):
-        image, prompt, answer = make_example(task, rng, image_size)
+        image, prompt, answer = make_example(task, rng, int(sides[i]))
         rel = f"images/{i:0{width}d}.png"
         image.save(os.path.join(out_dir, rel))
         rows.append({"images": [rel], "prompt": prompt, "answer": answer})

@@ -55,6 +55,14 @@ def micro_batches(cfg: ModelConfig, prompts: Prompts, rollouts: Rollouts, micro_
     return out
 
 
+def row_slots(inputs: ModelInputs) -> np.ndarray:
+    """[real tokens, token slots of the left-padded rows, token slots the decoder runs (packed rows when
+    ``inputs.packing``)] of one pass over ``inputs``."""
+    mask = np.asarray(inputs.attention_mask)
+    run = mask.size if inputs.packing is None else int(np.prod(inputs.packing.segments.shape))
+    return np.array([int((mask > 0).sum()), mask.size, run], np.int64)
+
+
 def _grid_spans(cfg: ModelConfig, prompts: Prompts):
     """For images then videos: (grids, owner grids per prompt row, patch offsets into pixel_values)."""
     merge = cfg.vision.spatial_merge_size**2

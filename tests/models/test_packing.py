@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollplex_jax.config import ProgramConfig, tiny_model_config
+from rollplex_jax import mesh as mesh_lib
+from rollplex_jax.config import MeshConfig, ProgramConfig, tiny_model_config
 from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.models.qwen2_5_vl import packing as P
 from rollplex_jax.models.qwen2_5_vl.params import init_params
@@ -99,6 +100,8 @@ def test_packed_prefix_state_and_gradients_equal_padded(model, prog):
 
 
 def test_rows_pack_within_their_data_parallel_group(model):
+    """groups=2: each half of the rows packs into its own packed rows; on a 2-device fsdp mesh (params and
+    activations sharded as in training) the packed forward equals the padded one on one device."""
     cfg, params, inp = model
     packed = M.prepare_inputs(cfg, **inp, pack=True, groups=2).packing
     seg = np.asarray(packed.segments)
@@ -106,6 +109,10 @@ def test_rows_pack_within_their_data_parallel_group(model):
     assert seg.shape[0] % 2 == 0 and seg.shape[0] < len(ROWS)
     assert set(seg[:half].ravel()) - {-1} <= {0, 1, 2} and set(seg[half:].ravel()) - {-1} <= {3, 4, 5}
     want = M.full_forward(params, cfg, M.prepare_inputs(cfg, **inp))
-    got = M.full_forward(params, cfg, M.prepare_inputs(cfg, **inp, pack=True, groups=2))
+    mesh = mesh_lib.train_mesh(MeshConfig(train_fsdp=2, train_tp=1), jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        placed = mesh_lib.place(params, mesh_lib.param_shardings(cfg, mesh))
+        got = jax.jit(M.full_forward, static_argnums=1)(placed, cfg, M.prepare_inputs(cfg, **inp, pack=True,
+                                                                                       groups=2))
     real = inp["attention_mask"] > 0
     _close(np.asarray(got)[real], np.asarray(want)[real])
