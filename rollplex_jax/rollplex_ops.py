@@ -30,8 +30,7 @@ import numpy as np
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
-from rollplex_jax.programs.sequences import (mini_batch_rows, repeat_rows, row_slots, select_rows,
-                                             vision_token_rows)
+from rollplex_jax.programs.sequences import mini_batch_rows, repeat_rows, row_slots, select_rows, vision_token_rows
 from rollplex_jax.trace import Tracer
 
 

@@ -78,7 +78,8 @@ def padding_metrics(slots) -> dict[str, float]:
     padding (packed rows with ``--packing``); ``perf/padding_frac_unpacked``: the same share in left-padded rows.
     ``slots``: [real tokens, left-padded slots, slots run] (``Ops.slots``)."""
     real, padded, run = (float(x) for x in slots)
-    return {"perf/padding_frac": 1.0 - real / max(run, 1.0), "perf/padding_frac_unpacked": 1.0 - real / max(padded, 1.0)}
+    return {"perf/padding_frac": 1.0 - real / max(run, 1.0),
+            "perf/padding_frac_unpacked": 1.0 - real / max(padded, 1.0)}
 
 
 def total_tokens(prompts: Prompts, rollouts: Rollouts) -> int:

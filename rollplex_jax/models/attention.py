@@ -288,8 +288,8 @@ def blockwise_attention(q: jax.Array, sources: list[KVSource], block: int) -> ja
     ks = tuple(_pad_to(s.k, s.k.ndim - 3, bk) for s, bk in zip(sources, bks, strict=True))
     vs = tuple(_pad_to(s.v, s.v.ndim - 3, bk) for s, bk in zip(sources, bks, strict=True))
     valids = tuple(_pad_to(s.valid, s.valid.ndim - 1, bk, False) for s, bk in zip(sources, bks, strict=True))
-    segs = tuple(None if _segs(s) is None else (_pad_to(s.q_segments, 2, bq, -1), _pad_to(s.segments, s.segments.ndim - 1,
-                                                                                       bk, -2))
+    segs = tuple(None if _segs(s) is None
+                 else (_pad_to(s.q_segments, 2, bq, -1), _pad_to(s.segments, s.segments.ndim - 1, bk, -2))
                  for s, bk in zip(sources, bks, strict=True))
     out = _flash(spec, qg, ks, vs, valids, segs)
     return out[:, :, :t].reshape(b, n, t, h * d)

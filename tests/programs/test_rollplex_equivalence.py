@@ -21,8 +21,16 @@ import pytest
 
 from rollplex_contract.batch import Prompts
 from rollplex_jax import rollplex_ops, scheduler
-from rollplex_jax.config import (Config, DataConfig, ModelConfig, OptimConfig, ProgramConfig, RlConfig, RolloutConfig,
-                                 RunConfig)
+from rollplex_jax.config import (
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ProgramConfig,
+    RlConfig,
+    RolloutConfig,
+    RunConfig,
+)
 from rollplex_jax.data.dataset import collate
 from rollplex_jax.data.video_io import load_video, probe_video, video_spec
 from rollplex_jax.data.video_sampling import VideoRule
