@@ -252,4 +252,5 @@ def test_program_config_is_validated():
         ProgramConfig(attention_block=0)
     with pytest.raises(ValueError, match="programs.remat"):
         ProgramConfig(remat="all")
-    assert dataclasses.asdict(ProgramConfig()) == dict(attention="blockwise", attention_block=512, remat="layer")
+    assert dataclasses.asdict(ProgramConfig()) == dict(attention="blockwise", attention_block=512, remat="layer",
+                                                    packing=True)
