@@ -63,7 +63,7 @@ def pack_layout(attention_mask: np.ndarray, groups: int = 1) -> tuple[np.ndarray
     per = b // groups
     lengths = mask.sum(1)
     rows = [next_fit(lengths[g * per:(g + 1) * per], t) for g in range(groups)]
-    p_group = max(int(r.max()) + 1 if len(r) else 0 for r in rows)
+    p_group = max(int(r.max()) + 1 for r in rows)  # every group holds b / groups >= 1 rows
     if p_group * groups >= b:
         return None
     slot = np.full((b, t), -1, np.int64)
