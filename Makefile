@@ -81,6 +81,9 @@ $(VLLM_STAMP): pyproject.toml
 	! $(VLLM_BIN)/python -m pip check | grep -vE "$(VLLM_KNOWN_PIP_CHECK)"
 	touch $(VLLM_STAMP)
 
+# tests_vllm/shim (a test-only sitecustomize, never in the package) lets vLLM's Qwen2.5-VL image path import
+# without torchvision; it must be on PYTHONPATH since vLLM inspects model classes in a subprocess of its own.
 test-vllm: $(VLLM_STAMP)
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 JAX_PLATFORMS=cpu \
+	PYTHONPATH=$(CURDIR)/tests_vllm/shim$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(VLLM_BIN)/python -m pytest -p no:cacheprovider --durations=5 tests_vllm

@@ -16,6 +16,7 @@ from absl import app, flags
 
 from rollplex_jax import config as C
 from rollplex_jax.config import DTYPES, Config, ConfigError, DataConfig, ModelConfig, RunConfig
+from rollplex_jax.models.qwen2_5_vl.fused import param_layout
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -145,6 +146,8 @@ def config_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Config:
     try:
         sections = {sec: cls(**{fl.name: f[_flag_name(sec, fl.name)].value for fl in dataclasses.fields(cls)})
                     for sec, cls in _SECTIONS.items()}
+        mesh = sections["mesh"]  # the actor's parameters in the engine's layout (fused.param_layout)
+        model = model.with_param_layout(**param_layout(mesh.train_tp, mesh.rollout_tp, sections["rollout"].engine))
         return Config(model=model, **sections)
     except ConfigError as e:
         raise _usage_error(e, f) from None

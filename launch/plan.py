@@ -16,6 +16,13 @@ adds XLA's own bytes: every program of one step AOT-compiled for the plan's shap
 nothing is allocated, a mesh runs on fake CPU devices), per program and per phase, and the plan's JAX-side
 bytes over them (``planned_vs_compiled``).
 
+  python -m launch.plan --flagfile=... --baseline=megatron_vllm [--gpu_memory_utilization=0.9]
+
+adds the paper's baseline (HYPOTHETICAL: its stack, planned, not run): naive colocation as Megatron-Core +
+vLLM would hold it, every role resident (``rollplex_jax/planner/baseline.py``), its assumptions and how much
+each one moves the peak (x0.5 / x2 or its alternative), beside the paper's ~165 GiB. The weight-sharing lines
+(every plan) give the engine's aligned / view / rebuilt bytes and the physical floor of the rebuilt ones.
+
   python -m launch.plan --simulate --flagfile=... [--sim_hardware=H800|H100|H200|cpu] [--simulate_sweep]
       [--sim_response_mean=T] [--sim_disagg_split=0.5] [--plot_out=PATH]
 
@@ -63,6 +70,15 @@ _REMAT = flags.DEFINE_enum("plan_remat", "", ["", "layer", "none", "dots"],
                            "Plan another activation checkpointing than the run's (--remat): layer (only each layer's "
                            "input is saved for the backward), dots, or none (every residual is saved). Empty = the "
                            "programs the flags build.")
+_BASELINE = flags.DEFINE_enum("baseline", "", ["", "megatron_vllm"],
+                              "Also plan the paper's baseline (HYPOTHETICAL: its stack, not run): megatron_vllm = "
+                              "naive colocation as Megatron-Core (distributed optimizer over data parallelism, fp32 "
+                              "main_grad) + vLLM (KV pool of --gpu_memory_utilization x HBM) hold it, every role "
+                              "resident; with its assumptions and a sweep of them.")
+_GPU_UTIL = flags.DEFINE_float("gpu_memory_utilization", 0.9, "With --baseline=megatron_vllm: vLLM's "
+                               "gpu_memory_utilization (its weights + activations + KV pool = this x HBM, HBM = "
+                               "--hbm_budget or 80 GiB; 0.9 = vLLM's default and ROLL's Qwen2.5-VL example).",
+                               lower_bound=0.0, upper_bound=1.0)
 _COMPILE = flags.DEFINE_bool("compile", False, "Also AOT-compile the run's real programs for these shapes on the "
                              "backend present (nothing is allocated; with fake CPU devices for a mesh larger than "
                              "the visible devices) and print XLA's bytes per program and phase beside the plan "
@@ -113,15 +129,22 @@ def table(p, budget_line: str) -> str:
     return "\n".join(lines)
 
 
-def sharing_table(ws: dict) -> str:
-    """The weight-sharing classification (issue 7): counts, bytes and byte fractions per class, per device."""
+def sharing_table(ws: dict, devices: int = 0) -> str:
+    """The weight-sharing classification (issue 7): counts, bytes and byte fractions per class, per device; the
+    physical floor of the engine-owned bytes and the distance to it (issue 20). ``devices``: the plan's (a
+    training mesh smaller than that is replicated over data parallelism: HYPOTHETICAL)."""
     from rollplex_jax import planner
 
     c = ws["classification"]
     if not c:
         return ""
-    lines = ["", f"weight sharing ({c['layout']} layout, train mesh {c['train_mesh']}, rollout tp {c['rollout_tp']}, "
-             f"{c['replicas']} replicas on {c['devices']} devices, {c['placement']} placement):",
+    lines = [""]
+    if devices > ws["train_shards"]:
+        lines.append(f"HYPOTHETICAL: weights sharded over {ws['train_shards']} devices and replicated over "
+                     f"{devices // ws['train_shards']} data-parallel groups (planned, not run: the runtime's training "
+                     "mesh has no data-parallel axis that replicates weights)")
+    lines += [f"weight sharing ({c['layout']} layout, train mesh {c['train_mesh']}, rollout tp {c['rollout_tp']}, "
+              f"{c['replicas']} replicas on {c['devices']} devices, {c['placement']} placement):",
              f"  {'class':<9}{'tensors':>9}{'GiB (all devices)':>19}{'fraction':>10}{'GiB/device (max)':>18}"]
     for k in ("aligned", "view", "rebuilt"):
         lines.append(f"  {k:<9}{c['counts'][k]:>9}{c['bytes'][k] / planner.GiB:>19.2f}{c['fractions'][k]:>10.1%}"
@@ -130,6 +153,17 @@ def sharing_table(ws: dict) -> str:
                  f"{planner.human_bytes(c['second_copy_bytes_per_device'])} for a second copy of the rollout shard "
                  f"({c['extra_vs_second_copy']:.1%}); not held locally: "
                  f"{planner.human_bytes(c['remote_bytes_per_device'])}")
+    if c.get("floor_bytes_per_device") is not None:
+        floor, over = c["floor_bytes_per_device"], c["extra_over_floor_bytes_per_device"]
+        lines.append(f"  physical floor {planner.human_bytes(floor)} per device ({c['floor_vs_second_copy']:.1%} of a "
+                     "second copy: what the rollout rank reads that its device's training shards cannot hold in any "
+                     f"layout); rebuilt is {planner.human_bytes(over)} above it")
+        if over > 0 and floor > 0:
+            remote = c["remote_bytes_per_device"]
+            lines.append("  reaching it takes engine tensors in two parts, the local training shard read in place and "
+                         f"the rest in a received buffer (split linears: {planner.human_bytes(remote)} here)"
+                         + ("" if remote <= floor else ", and each rank placed on a device that holds part of its "
+                            "rows (e.g. strided replicas on a tp-only mesh)"))
     return "\n".join(lines)
 
 
@@ -164,15 +198,57 @@ def main(argv):
         except planner.BudgetError as e:
             out["budget_decision"] = {"policy": None, "error": str(e)}
             budget_line += f"; with --hbm_budget={cfg.memory.hbm_budget}: {e}"
+    if _BASELINE.value:
+        out["baseline"] = baseline_section(cfg, lengths, p.devices)
     if _COMPILE.value:
         out.update(compiled_section(cfg, lengths, p))
     if _FORMAT.value == "table":
         print(f"memory plan: {cfg.model.dtype}, {p.params.total:,} params, {p.devices} devices, per device")
         print(table(p, budget_line))
-        print(sharing_table(out["weight_sharing"]))
+        print(sharing_table(out["weight_sharing"], p.devices))
+        if _BASELINE.value:
+            print(baseline_table(out["baseline"]))
         if _COMPILE.value:
             print(compiled_table(out))
     print(json.dumps(out))
+
+
+def baseline_section(cfg, lengths, devices: int) -> dict:
+    """The --baseline preset's plan (``planner.baseline``) with its sweep, under the paper stack's programs
+    (FlashAttention, per-layer recompute), not --attention / --remat / --plan_attention."""
+    from rollplex_jax.planner import baseline
+
+    a = baseline.Assumptions(gpu_memory_utilization=_GPU_UTIL.value,
+                             hbm_bytes=cfg.memory.budget_bytes or baseline.Assumptions.hbm_bytes)
+    try:
+        out = baseline.megatron_vllm(cfg, lengths, devices, None, a)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    out["sweep"] = baseline.sweep(cfg, lengths, devices, None, a)
+    return out
+
+
+def baseline_table(b: dict) -> str:
+    """The baseline preset as text: classes x phases (GiB per device), the peak beside the paper's, every
+    assumption, and the sweep (largest move first)."""
+    from rollplex_jax import planner
+    from rollplex_jax.memory_classes import CLASSES, PHASES
+
+    m, w, g = b["mesh"], max(len(c) for c in CLASSES) + 2, planner.GiB
+    lines = ["", f"baseline {b['name']} -- GiB per device (Megatron tp {m['tp']} x dp {m['dp']}, vLLM tp "
+             f"{m['rollout_tp']}); {b['hypothetical']}", f"{'class':<{w}}" + "".join(f"{ph:>10}" for ph in PHASES)]
+    for c in CLASSES:
+        if any(b["phases"][ph][c] for ph in PHASES):
+            lines.append(f"{c:<{w}}" + "".join(f"{b['phases'][ph][c] / g:>10.2f}" for ph in PHASES))
+    lines.append(f"{'PEAK':<{w}}" + "".join(f"{b['peaks'][ph] / g:>10.2f}" for ph in PHASES))
+    lines.append(f"peak {planner.human_bytes(b['peak_bytes'])} ({b['peak_phase']}) vs the paper's about "
+                 f"{b['paper_gib']:g} GiB: {b['vs_paper_gib']:+.1f} GiB (vLLM holds {b['vllm_bytes'] / g:.2f} GiB)")
+    lines += ["baseline assumptions:"] + [f"  {i}. {a}" for i, a in enumerate(b["assumptions"], 1)]
+    lines.append("how each assumption moves the baseline's peak (GiB per device, largest move first):")
+    for r in b["sweep"]:
+        alts = "; ".join(f"{v['label']}: {v['peak_gib']:.1f} ({v['delta_gib']:+.1f})" for v in r["variants"])
+        lines.append(f"  {r['assumption']:<30} base {r['base_gib']:.1f} -> {alts}")
+    return "\n".join(lines)
 
 
 def compiled_section(cfg, lengths, p) -> dict:

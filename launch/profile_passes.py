@@ -116,12 +116,14 @@ def torch_model(cfg, params):
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    from rollplex_jax.models.qwen2_5_vl.fused import to_hf
     from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import normalize_name
 
     hf_cfg = Qwen2_5_VLConfig(**cfg.model.to_hf_dict())
     hf_cfg._attn_implementation = "sdpa"
     model = Qwen2_5_VLForConditionalGeneration(hf_cfg).float()
     state = {}
+    params = to_hf(params, cfg.model)  # the checkpoint's tensors (separate q/k/v, gate/up; the vocabulary)
     for name, t in model.state_dict().items():
         key = normalize_name(name)
         if key == "lm_head.weight" and cfg.model.tie_word_embeddings:

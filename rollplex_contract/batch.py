@@ -129,8 +129,13 @@ class Engine(Protocol):
 
     layout: str
 
-    def bind(self, tensors: Sequence[Any], shards: Mapping[str, Sequence[Any]]) -> None:
-        """(Re)binds the engine to the actor's current shards (``layout.RankTensor`` list, ``layout.Shard``s)."""
+    def bind(self, tensors: Sequence[Any], shards: Mapping[str, Sequence[Any]], *, refilled: bool = False) -> None:
+        """(Re)binds the engine to the actor's current shards (``layout.RankTensor`` list, ``layout.Shard``s);
+        ``refilled``: ``refill`` already copied these shards into the engine-owned (rebuilt) buffers."""
+
+    def refill(self, shards: Mapping[str, Sequence[Any]]) -> int:
+        """Copies the actor's new shards into the engine-owned (rebuilt) buffers without binding anything: run
+        after an update, off the critical path. Returns the bytes copied (0 before the first bind)."""
 
     def release(self) -> None:
         """Drops every view of actor buffers, so JAX may donate them."""

@@ -32,6 +32,10 @@ class Checkpointer:
                                                                  meta=ocp.args.JsonRestore()))
         return out["state"], out["meta"]
 
+    def meta(self, step: int) -> dict:
+        """The meta record of ``step`` alone (read before the state, to check the state can be read)."""
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 

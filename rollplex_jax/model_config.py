@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -46,8 +47,12 @@ class VisionConfig:
     rope_theta: float = 10000.0
     tokens_per_second: int = 2
     hidden_act: str = "silu"
+    # Parameter layout, not architecture (never in config.json): fused rows interleaved per this many
+    # tensor-parallel ranks (models/qwen2_5_vl/fused.py); qkv_groups / mlp_groups: what divides evenly.
+    fuse_groups: int = 1
 
     def __post_init__(self):
+        _require(self.fuse_groups >= 1, "vision.fuse_groups", self.fuse_groups, "must be >= 1")
         for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size",
                      "spatial_merge_size", "temporal_patch_size", "window_size", "out_hidden_size"):
             _require(getattr(self, name) > 0, f"vision.{name}", getattr(self, name), "must be > 0")
@@ -67,6 +72,16 @@ class VisionConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def qkv_groups(self) -> int:
+        """Row groups of the fused ``attn.qkv`` (one per engine TP rank: each holds whole heads)."""
+        return math.gcd(self.fuse_groups, self.num_heads)
+
+    @property
+    def mlp_groups(self) -> int:
+        """Row groups of the fused ``mlp.gate_up_proj``."""
+        return math.gcd(self.fuse_groups, self.intermediate_size)
 
     @property
     def patch_dim(self) -> int:
@@ -94,8 +109,13 @@ class TextConfig:
     mrope_section: tuple[int, int, int] = (16, 24, 24)
     max_position_embeddings: int = 128000
     hidden_act: str = "silu"
+    # Parameter layout (see VisionConfig.fuse_groups) and the vocabulary rows' padding multiple (vLLM: 64).
+    fuse_groups: int = 1
+    vocab_multiple: int = 1
 
     def __post_init__(self):
+        _require(self.fuse_groups >= 1, "text.fuse_groups", self.fuse_groups, "must be >= 1")
+        _require(self.vocab_multiple >= 1, "text.vocab_multiple", self.vocab_multiple, "must be >= 1")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads"):
             _require(getattr(self, name) > 0, f"text.{name}", getattr(self, name), "must be > 0")
@@ -115,6 +135,21 @@ class TextConfig:
     @property
     def num_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def qkv_groups(self) -> int:
+        """Row groups of the fused ``qkv_proj`` (one per engine TP rank; whole KV heads in each)."""
+        return math.gcd(self.fuse_groups, self.num_key_value_heads)
+
+    @property
+    def mlp_groups(self) -> int:
+        """Row groups of the fused ``gate_up_proj``."""
+        return math.gcd(self.fuse_groups, self.intermediate_size)
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and lm_head parameters: the vocabulary padded to ``vocab_multiple``."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,6 +177,17 @@ class ModelConfig:
             v = getattr(self, name)
             _require(0 <= v < self.text.vocab_size, f"model.{name}", v,
                      f"must be in [0, vocab_size={self.text.vocab_size})")
+
+    def with_param_layout(self, fuse_groups: int = 1, vocab_multiple: int = 1) -> ModelConfig:
+        """This model with the actor's parameters laid out for an engine: fused rows in ``fuse_groups``
+        groups (its TP degree) and the vocabulary padded to ``vocab_multiple`` (``fused.py``)."""
+        return dataclasses.replace(
+            self, vision=dataclasses.replace(self.vision, fuse_groups=fuse_groups),
+            text=dataclasses.replace(self.text, fuse_groups=fuse_groups, vocab_multiple=vocab_multiple))
+
+    def hf_layout(self) -> ModelConfig:
+        """The same model with the checkpoint's own layout (no groups, no padding)."""
+        return self.with_param_layout(1, 1)
 
     # --- Hugging Face config.json <-> ModelConfig -------------------------------------------
     @classmethod

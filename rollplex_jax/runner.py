@@ -31,6 +31,7 @@ from rollplex_jax.checkpoint import Checkpointer
 from rollplex_jax.config import Config, ConfigError
 from rollplex_jax.data import dataset as data_lib
 from rollplex_jax.memory import MemoryMeter, plot_memory
+from rollplex_jax.models.qwen2_5_vl.fused import layout_record
 from rollplex_jax.models.qwen2_5_vl.params import params_sha256
 from rollplex_jax.programs.actor import make_programs
 from rollplex_jax.programs.split import make_split_programs
@@ -135,6 +136,11 @@ class Runner:
 
     def _restore(self, step: int) -> None:
         """Continues from checkpoint ``step``: train state, data position; metrics after it are dropped."""
+        saved, layout = self.checkpointer.meta(step).get("param_layout"), layout_record(self.cfg.model)
+        if saved != layout:  # same shapes, other row order: restoring would silently scramble the weights
+            raise ConfigError(f"checkpoint {step} in {self.checkpointer.directory} holds the actor's parameters in "
+                              f"layout {saved} (models/qwen2_5_vl/fused.py), this run's flags give {layout} "
+                              "(from --train_tp, --rollout_tp, --engine): resume with the flags it was saved with")
         tree, meta = self.checkpointer.restore(step, _state_tree(self.state))
         self.state = scheduler.TrainState(tree["params"], self.programs.optimizer.place(tree["opt_state"]),
                                           self.state.ref_params)
@@ -238,7 +244,7 @@ class Runner:
             return
         meta = {"step": self.step, "sampler": self.sampler.state(), "params_sha256": self.params_sha256(),
                 "rng": {"seed": self.cfg.run.seed, "sampling_seed_of_next_step": self._seed(self.step)},
-                "config": self.cfg.to_dict()}
+                "config": self.cfg.to_dict(), "param_layout": layout_record(self.cfg.model)}
         self.checkpointer.save(self.step, _state_tree(self.state), meta)
 
     def request_stop(self) -> None:
@@ -334,6 +340,7 @@ class Runner:
 
     def close(self) -> None:
         """Releases files and threads without evaluating (``finish`` calls it)."""
+        self.ctx.publisher.join()  # a weight refill in flight reads the params
         self.checkpointer.close()
         self.writer.close()
         self.reward.close()

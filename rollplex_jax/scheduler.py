@@ -254,6 +254,7 @@ def _train(ctx: StepContext, state: TrainState, ops: Ops, adv, mask, ref_logp, t
     n_mini = cfg.rl.mini_batches
     old_logp = ops.logp(state.params) if n_mini > 1 else None  # theta_k, before any update
     params, opt_state, version = state.params, state.opt_state, step
+    ctx.publisher.join()  # no refill may still read buffers the update donates
     sums: dict[str, float] = {}
     skipped = 0
     for rows in mini_batch_rows(mask.shape[0], n_mini):
@@ -285,6 +286,8 @@ def _train(ctx: StepContext, state: TrainState, ops: Ops, adv, mask, ref_logp, t
         version += 1
         skipped += not ok
         sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(um["grad_norm"]) / n_mini
+    # theta_{k+1} into the engine's rebuilt buffers now, on a side thread, not inside the next bind
+    ctx.publisher.refill(params, tracer, step)
     sums["skipped_steps/nonfinite"] = float(skipped)
     for key in _MEAN_METRICS:
         if key in sums:

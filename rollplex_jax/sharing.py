@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -54,8 +56,12 @@ class WeightPublisher:
     ``publish`` waits for the arrays to be computed (DLPack needs ready buffers), classifies the engine's
     layout against their shardings (once per layout of the params), then binds the engine rank at device
     position 0; ``release`` drops the engine's views so the next update may donate the buffers.
-    ``gather``: params -> the arrays the engine reads (a multi-process run's all-gathered replicated copy,
-    ``multihost.replicated_copy``; they live until ``release``); None = the params themselves.
+    ``refill`` (right after an update) copies the new params into the engine's rebuilt buffers on a side
+    thread, so that the next ``publish`` of those params, on the critical path before the rollout, only
+    creates views. ``gather``: params -> the arrays the engine reads (a multi-process run's all-gathered
+    replicated copy, ``multihost.replicated_copy``; they live until ``release``); None = the params themselves.
+    With a gather there is no side-thread refill: the gather is a collective every process must issue in the
+    same order, which a thread of its own would not keep.
     """
 
     def __init__(self, engine, cfg: ModelConfig, gather: Callable[[Mapping[str, jax.Array]], dict] | None = None):
@@ -66,17 +72,46 @@ class WeightPublisher:
         self._key = None
         self._arrays = None
         self.version: int | None = None
+        self._refill: _Refill | None = None
+        self._published: tuple = (None, {})  # (layout key, weak refs to the arrays) of the last publish
+        self.refilled_bytes = 0  # of the last refill whose params were then published
 
     def publish(self, params: Mapping[str, jax.Array], version: int) -> None:
+        done = self.join()
         jax.block_until_ready(params)
         arrays = dict(params) if self.gather is None else self.gather(params)
-        key = tuple((k, tuple(v.shape), str(v.dtype), v.sharding) for k, v in arrays.items())
+        key = _layout_key(arrays)
         if key != self._key:
             self.plan = plan_for_params(arrays, self.layout, 1, positions=[0], layout_name=self.engine.layout)
             self._key = key
-        self.engine.bind(self.plan.ranks[0], device_shards(arrays))  # rebuilt pieces may live on any device
+        refilled = done is not None and done.key == key and _same(arrays, done.params) and done.nbytes > 0
+        self.refilled_bytes = done.nbytes if refilled else 0
+        again = self.gather is None and key == self._published[0] and _same(arrays, self._published[1])
+        self.engine.bind(self.plan.ranks[0], device_shards(arrays), refilled=refilled or again)
         self._arrays = arrays if self.gather is not None else None
+        # the same arrays published again (a skipped update, validation): the rebuilt buffers hold them already
+        self._published = (key, {k: weakref.ref(v) for k, v in arrays.items()} if self.gather is None else {})
         self.version = version
+
+    def refill(self, params: Mapping[str, jax.Array], tracer=None, step: int = 0) -> None:
+        """Starts copying ``params`` (the update's output) into the engine's rebuilt buffers on a side thread;
+        ``publish`` (or ``join``) waits for it. Nothing to do before the first publish, with a gather, or when
+        nothing is rebuilt. ``tracer``: records the copy as a span "refill" on lane "weights", labelled ``step`` + 1
+        (the step whose rollout reads these weights: its ``publish`` waits for the copy, so the span is in that
+        step's ``time/refill_s``)."""
+        self.join()
+        if self.gather is not None or self.plan is None or self.version is not None:
+            return  # still bound (views alive), or nothing classified yet: publish fills
+        if not any(rt.kind == REBUILT for rt in self.plan.ranks[0]):
+            return
+        self._refill = _Refill(self.engine, dict(params), self._key, tracer, step)
+
+    def join(self) -> _Refill | None:
+        """Waits for a refill in flight (re-raising its error); returns it (None if none was started)."""
+        r, self._refill = self._refill, None
+        if r is not None:
+            r.wait()
+        return r
 
     def release(self) -> None:
         if self.version is not None:
@@ -90,6 +125,45 @@ class WeightPublisher:
             raise RuntimeError("report() needs a publish() first")
         rep = self.engine.sharing_report()
         return dataclasses.replace(rep, details=self.plan.report(positions=[0]))
+
+
+def _layout_key(arrays: Mapping[str, jax.Array]) -> tuple:
+    """What the classification depends on: names, shapes, dtypes and shardings."""
+    return tuple((k, tuple(v.shape), str(v.dtype), v.sharding) for k, v in arrays.items())
+
+
+def _same(a: Mapping[str, jax.Array], b: Mapping[str, Any]) -> bool:
+    """The very same arrays (identity: jax arrays are immutable, so the same array holds the same values);
+    ``b``'s values may be weak references."""
+    return bool(b) and a.keys() == b.keys() and all(
+        a[k] is (v() if isinstance(v, weakref.ref) else v) for k, v in b.items())
+
+
+class _Refill:
+    """One refill of an engine's rebuilt buffers from ``params`` on a thread of its own (``WeightPublisher``)."""
+
+    def __init__(self, engine, params: dict, key: tuple, tracer, step: int):
+        self.params, self.key, self.nbytes = params, key, 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(engine, tracer, step), name="weights-refill",
+                                         daemon=True)
+        self._thread.start()
+
+    def _run(self, engine, tracer, step: int) -> None:
+        try:
+            start = tracer.now() if tracer is not None else 0.0
+            jax.block_until_ready(self.params)  # the update's output: DLPack needs ready buffers
+            if _layout_key(self.params) == self.key:  # else the next publish classifies anew and fills
+                self.nbytes = engine.refill(device_shards(self.params))
+            if tracer is not None:
+                tracer.add("weights", "refill", step + 1, start, tracer.now(), bytes=self.nbytes)
+        except BaseException as e:  # noqa: BLE001  (re-raised by wait(), on the caller's thread)
+            self._error = e
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError("refilling the engine's rebuilt weight buffers failed") from self._error
 
 
 def donated(old: Mapping[str, jax.Array]) -> bool:
@@ -127,40 +201,40 @@ def rank_pieces(et: EngineTensor, shapes: Mapping[str, Sequence[int]], t_r: int,
                 ) -> tuple[tuple[tuple[str, Box], ...], int]:
     """The (source, box) pieces that rank ``r`` of ``t_r`` holds of ``et`` (concatenated along dim 0), and
     its zero padding rows."""
+    (s,) = et.sources
+    shape = shapes[s]
+    rest = full_box(shape)[1:]
     if et.tp_dim is None:
-        pieces = [(s, full_box(shapes[s])) for s in et.sources]
-        return _merge(pieces), 0
+        return ((s, ((0, et.rows or shape[0]), *rest)),), 0
     if et.tp_dim == 1:
-        (s,) = et.sources
-        shape = shapes[s]
         c = _divide(shape[1], t_r, et.target)
         box = list(full_box(shape))
         box[1] = (r * c, (r + 1) * c)
         return ((s, tuple(box)),), 0
     if et.pad_multiple:
-        (s,) = et.sources
-        shape = shapes[s]
         rows = shape[0]
         padded = -(-rows // et.pad_multiple) * et.pad_multiple
         per = _divide(padded, t_r, et.target)
         a, b = r * per, min((r + 1) * per, rows)
-        pieces = [(s, ((a, b), *full_box(shape)[1:]))] if b > a else []
+        pieces = [(s, ((a, b), *rest))] if b > a else []
         return tuple(pieces), per - max(0, b - a)
-    if et.split > 1:
-        (s,) = et.sources
-        n = _divide(shapes[s][0], et.split, et.target)
-        parts = [(s, k * n, (k + 1) * n) for k in range(et.split)]
-    else:
-        parts = [(s, 0, shapes[s][0]) for s in et.sources]
+    parts = et.parts or (et.rows or shape[0],)
     heads = et.heads or (None,) * len(parts)
+    g = et.groups
+    stride = sum(parts) // g  # rows per group: [part_0 rows; part_1 rows; ...] of that group
+    offsets = [sum(parts[:j]) // g for j in range(len(parts))]
     pieces = []
-    for (s, a, b), h in zip(parts, heads, strict=True):
-        k = t_r if h is None else min(t_r, h)
+    for j in (range(len(parts)) if et.take is None else et.take):
+        k = t_r if heads[j] is None else min(t_r, heads[j])
         if t_r % k:
-            raise ValueError(f"{et.target}: {h} heads cannot be replicated evenly over {t_r} rollout ranks")
-        n = _divide(b - a, k, et.target)
-        i = r // (t_r // k)
-        pieces.append((s, ((a + i * n, a + (i + 1) * n), *full_box(shapes[s])[1:])))
+            raise ValueError(f"{et.target}: {heads[j]} heads cannot be replicated evenly over {t_r} rollout ranks")
+        n = _divide(parts[j], k, et.target)
+        a, b = (r // (t_r // k)) * n, (r // (t_r // k) + 1) * n  # rows of part j, in the part's own order
+        c = parts[j] // g
+        for grp in range(a // c, -(-b // c)):
+            lo, hi = max(a, grp * c), min(b, (grp + 1) * c)
+            start = grp * stride + offsets[j] + lo - grp * c
+            pieces.append((s, ((start, start + hi - lo), *rest)))
     return _merge(pieces), 0
 
 
@@ -210,13 +284,15 @@ class SharingPlan:
     ranks: dict[int, tuple[RankTensor, ...]]
 
     placement: str = "blocked"
+    held: Mapping[str, tuple[int, ...]] | None = None  # per source: its shard's elements per training position
 
     def rank_of(self, position: int) -> int:
         return rank_of(position, self.devices, self.rollout_tp, self.placement)
 
     def report(self, positions: Sequence[int] | None = None, by_role: bool = True) -> dict:
         """Counts, bytes and byte fractions per class over ``positions`` (default all) and per device; extra
-        bytes per device (engine-owned = rebuilt; max over devices) vs a full second copy of the rollout shard."""
+        bytes per device (engine-owned = rebuilt; max over devices) vs a full second copy of the rollout shard,
+        and the physical floor of the extra bytes (``floor_bytes``; needs ``held``)."""
         positions = sorted(self.ranks) if positions is None else list(positions)
         counts = dict.fromkeys(KINDS, 0)
         nbytes = dict.fromkeys(KINDS, 0)
@@ -235,10 +311,12 @@ class SharingPlan:
             for k in KINDS:
                 counts[k] += dc[k]
                 nbytes[k] += db[k]
-            per_device.append({"device": p, "rank": self.rank_of(p), "counts": dc, "bytes": db,
+            floor = floor_bytes(self.ranks[p], self.held, p, self.itemsize) if self.held else None
+            per_device.append({"device": p, "rank": self.rank_of(p), "counts": dc, "bytes": db, "floor_bytes": floor,
                                "rollout_shard_bytes": sum(db.values()), "remote_bytes": remote})
         total = max(sum(nbytes.values()), 1)
         extra = max(d["bytes"][REBUILT] for d in per_device)
+        floor = max(d["floor_bytes"] for d in per_device) if self.held else None
         copy = max(d["rollout_shard_bytes"] for d in per_device)
         out = {
             "layout": self.layout, "train_mesh": dict(self.train_mesh), "rollout_tp": self.rollout_tp,
@@ -248,11 +326,34 @@ class SharingPlan:
             "extra_bytes_per_device": extra, "second_copy_bytes_per_device": copy,
             "extra_vs_second_copy": round(extra / copy, 4) if copy else 0.0,
             "remote_bytes_per_device": max(d["remote_bytes"] for d in per_device),
+            "floor_bytes_per_device": floor,
+            "extra_over_floor_bytes_per_device": None if floor is None else extra - floor,
+            "floor_vs_second_copy": None if floor is None else round(floor / copy, 4) if copy else 0.0,
             "per_device": per_device,
         }
         if by_role:
             out["by_role"] = roles
         return out
+
+
+def floor_bytes(tensors: Sequence[RankTensor], held: Mapping[str, Sequence[int]], position: int, itemsize: int) -> int:
+    """The physical floor of the engine-owned bytes at one device: per source s, the distinct elements the rank
+    reads of s (union of its boxes: a tied embedding counts once; padding rows are no pieces) minus those of s's
+    training shard there, where positive (no layout of same-size shards holds more of it), summed, in bytes."""
+    boxes: dict[str, set[Box]] = {}
+    for s, box in (piece for rt in tensors for piece in rt.pieces):
+        boxes.setdefault(s, set()).add(box)
+    return sum(max(0, union_size(b) - held[s][position % len(held[s])]) for s, b in boxes.items()) * itemsize
+
+
+def union_size(boxes) -> int:
+    """Elements covered by index boxes (overlaps once): slabs along dim 0, recursively."""
+    boxes = set(boxes)
+    if len(boxes) <= 1:
+        return sum(box_size(b) for b in boxes)
+    cuts = sorted({c for b in boxes for c in b[0]})
+    return sum((hi - lo) * union_size([b[1:] for b in boxes if b[0][0] <= lo and hi <= b[0][1]])
+               for lo, hi in zip(cuts, cuts[1:], strict=False))
 
 
 def _role(target: str) -> str:
@@ -313,9 +414,10 @@ def plan_sharing(cfg: ModelConfig, mesh: MeshConfig, layout: str | None = None, 
         spec = partition_spec(shape, axes, fake)
         boxes[name] = [shard_box(shape, spec, mesh_shape, c) for c in coords]
     layout = layout or layout_for(engine, mesh.rollout_tp)
-    return classify(layout, {k: s for k, (s, _) in specs.items()}, boxes, mesh.rollout_tp,
+    plan = classify(layout, {k: s for k, (s, _) in specs.items()}, boxes, mesh.rollout_tp,
                     np.dtype(cfg.dtype).itemsize, train_mesh=mesh_shape, positions=positions, cfg=cfg,
                     placement=placement)
+    return dataclasses.replace(plan, held={k: tuple(map(box_size, b)) for k, b in boxes.items()})
 
 
 class _MeshShape(NamedTuple):
@@ -372,5 +474,6 @@ def plan_for_params(params: Mapping[str, jax.Array], layout: str | Sequence[Engi
     mesh = next((dict(a.sharding.mesh.shape) for a in params.values()
                  if isinstance(a.sharding, jax.sharding.NamedSharding)), {"devices": len(order)})
     itemsize = np.dtype(next(iter(params.values())).dtype).itemsize
-    return classify(layout, {k: tuple(v.shape) for k, v in params.items()}, boxes, rollout_tp, itemsize,
+    plan = classify(layout, {k: tuple(v.shape) for k, v in params.items()}, boxes, rollout_tp, itemsize,
                     train_mesh=mesh, positions=positions, cfg=cfg, placement=placement, layout_name=layout_name)
+    return dataclasses.replace(plan, held={k: tuple(map(box_size, b)) for k, b in boxes.items()})

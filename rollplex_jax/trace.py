@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 # Rows top to bottom in the order data flows through a step; unknown lanes follow.
-LANE_ORDER = ("torch decode", "JAX prefix", "overlap", "JAX suffix", "rewards", "update", "host")
+LANE_ORDER = ("torch decode", "JAX prefix", "overlap", "JAX suffix", "rewards", "update", "weights", "host")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,13 +31,15 @@ def hf_model(cfg: ModelConfig, seed: int = 0, attn: str = "eager") -> Qwen2_5_VL
 def params_of(model, cfg: ModelConfig) -> dict:
     import jax.numpy as jnp
 
+    from rollplex_jax.models.qwen2_5_vl.fused import to_actor
+
     out = {}
     for name, t in model.state_dict().items():
         key = normalize_name(name)
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         out[key] = jnp.asarray(t.detach().float().numpy())
-    return out
+    return to_actor(out, cfg)  # the actor's layout (fused q/k/v, gate/up; padded vocabulary)
 
 
 def mm_inputs(cfg: ModelConfig, rows: list[list], rng: np.random.Generator):

@@ -26,6 +26,7 @@ from rollplex_jax import mesh as mesh_lib
 from rollplex_jax import scheduler
 from rollplex_jax.config import MeshConfig, ModelConfig
 from rollplex_jax.data.dataset import collate
+from rollplex_jax.models.qwen2_5_vl.fused import to_hf
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.rl import losses
 from tests.equivalence import assert_same_gradients, assert_same_updates
@@ -45,8 +46,9 @@ def _runner(tmp_path_factory, schedule: str, fsdp: int, tp: int):
 def _run(tmp_path_factory, schedule: str, fsdp: int, tp: int):
     r = _runner(tmp_path_factory, schedule, fsdp, tp)
     metrics = list(r.run())
-    params = {k: np.asarray(v) for k, v in r.state.params.items()}
-    shardings = {k: v.sharding for k, v in r.state.params.items()}
+    # compared in the checkpoint's layout: the actor's rows are grouped per training TP rank (fused.py)
+    params = to_hf({k: np.asarray(v) for k, v in r.state.params.items()}, r.cfg.model)
+    shardings = {k: (v.sharding, v.ndim, r.cfg.model) for k, v in r.state.params.items()}
     report = r.engine.sharing_report()
     summary = r.finish()
     with open(f"{r.workdir}/run_summary.json") as f:
@@ -73,12 +75,14 @@ def test_sharded_run_equals_single_device(single, tmp_path_factory, schedule, fs
     worst = assert_same_updates(params, ref_params, lr=LR, updates=STEPS * 2)
     print(f"{schedule} fsdp {fsdp} x tp {tp}: worst param difference {worst:.3g} of the tolerance")
     # really sharded as configured, and not by accident replicated
-    sharded = [k for k, s in shardings.items() if any(a is not None for a in s.spec)]
+    sharded = [k for k, (s, _, _) in shardings.items() if any(a is not None for a in s.spec)]
     assert len(sharded) > len(shardings) // 2
     mesh = mesh_lib.train_mesh(MeshConfig(train_fsdp=fsdp, train_tp=tp))
-    configured = mesh_lib.param_shardings(ModelConfig.from_json_file("configs/models/demo.json"), mesh)
-    for k, s in shardings.items():  # after 2 steps of updates, still the rules' layout
-        assert s.mesh.shape == mesh.shape and s.is_equivalent_to(configured[k], params[k].ndim), (k, s.spec)
+    model = next(iter(shardings.values()))[2]
+    assert model.text.fuse_groups == tp  # the engine's layout for this training TP (fused.param_layout)
+    configured = mesh_lib.param_shardings(model, mesh)
+    for k, (s, ndim, _) in shardings.items():  # after 2 steps of updates, still the rules' layout
+        assert s.mesh.shape == mesh.shape and s.is_equivalent_to(configured[k], ndim), (k, s.spec)
     # one device: every engine tensor a view of the actor's buffer; sharded: the split ones are rebuilt
     assert ref_report.bytes["rebuilt"] == 0
     assert report.bytes["rebuilt"] > 0
@@ -107,7 +111,7 @@ def test_sharded_gradient_equals_single_device(tmp_path_factory, fsdp, tp):
     for r in (one, many):
         with r.mesh_scope():
             (_, _), gr = r.programs.grad(r.state.params, mb.inputs, mb.prompt_len, mb.response_ids, w, adv, None, None)
-        grads.append({k: np.asarray(v) for k, v in gr.items()})
+        grads.append(to_hf({k: np.asarray(v) for k, v in gr.items()}, r.cfg.model))  # one layout for both
         r.close()
     worst = assert_same_gradients(grads[1], grads[0])
     print(f"fsdp {fsdp} x tp {tp}: worst gradient difference {worst:.3g} of the largest entry")
@@ -121,7 +125,7 @@ def test_startup_check_names_a_mis_sharded_parameter():
 
     params = mesh_lib.place(init_params(cfg, jax.random.key(0)), sh)
     mesh_lib.check_sharded(params, sh)
-    name = "model.layers.0.mlp.up_proj.weight"
+    name = "model.layers.0.mlp.gate_up_proj.weight"
     params[name] = jax.device_put(params[name], jax.devices()[0])
     with pytest.raises(mesh_lib.ShardingError, match=name.replace(".", r"\.")):
         mesh_lib.check_sharded(params, sh)
@@ -132,7 +136,7 @@ def test_rules_shard_megatron_style_and_replicate_what_does_not_divide():
     mesh = mesh_lib.train_mesh(MeshConfig(train_fsdp=1, train_tp=4))
     sh = mesh_lib.param_shardings(cfg, mesh)
     P = mesh_lib.PartitionSpec
-    assert sh["model.layers.0.self_attn.q_proj.weight"].spec == P("tp", None)  # column-parallel
+    assert sh["model.layers.0.self_attn.qkv_proj.weight"].spec == P("tp", None)  # column-parallel
     assert sh["model.layers.0.self_attn.o_proj.weight"].spec == P(None, "tp")  # row-parallel
     assert sh["model.layers.0.mlp.down_proj.weight"].spec == P(None, "tp")
     assert sh["model.norm.weight"].spec == P(None)

@@ -70,16 +70,29 @@ def test_weight_sync_refills_the_rebuilt_buffers_of_the_classification():
     the local part copied on the device (read + write at HBM bandwidth), the rest over NVLink. The old rule
     max(0, P/rollout_tp - P/(fsdp tp)) gave 0 at equal TPs, though vLLM's fused qkv / gate_up are rebuilt."""
     hw = hardware.H800
-    cfg = _config("configs/qwen2_5_vl_7b_8dev.flags", "--train_fsdp=1", "--train_tp=2", "--rollout_tp=2")
-    c = planner.sharing_classification(cfg)
+    same = _config("configs/qwen2_5_vl_7b_8dev.flags", "--train_fsdp=1", "--train_tp=2", "--rollout_tp=2")
+    c = planner.sharing_classification(same)  # issue 20: the actor stores vLLM's fused tensors: nothing rebuilt
+    assert c["layout"] == "vllm" and c["extra_bytes_per_device"] == 0
+    cfg = _config("configs/qwen2_5_vl_7b_8dev.flags", "--train_fsdp=1", "--train_tp=2", "--rollout_tp=1")
+    c = planner.sharing_classification(cfg)  # a rank needs whole tensors, its device holds half of each
     assert c["layout"] == "vllm" and c["extra_bytes_per_device"] > 0
     local = c["extra_bytes_per_device"] - c["remote_bytes_per_device"]
     expect = 2 * local / hw.hbm_bw + c["remote_bytes_per_device"] / hw.intra_bw
     sim = simulator.simulate(cfg, hw, planner.Lengths.from_config(cfg))
     for name in ("rollplex", "overlap_only", "sharing_only"):
         assert sim.schedules[name].phases["weight_sync"] == pytest.approx(expect) and expect > 0
-    full = planner.param_counts(cfg).total * 2 / 2  # bf16, rollout tp 2: serial still copies the whole shard
+    full = planner.param_counts(cfg).total * 2 / 1  # bf16, rollout tp 1: serial still copies the whole shard
     assert sim.schedules["serial"].phases["weight_sync"] == pytest.approx(full / hw.intra_bw)
+    # one process: the refill runs after the update, beside the next step's host work; the rollout waits for the
+    # later of the two (serial's full copy stays on the critical path)
+    for name in ("rollplex", "sharing_only"):
+        sc = sim.schedules[name]
+        starts = {p: a for _, p, a, _ in sc.spans}
+        host = sc.phases["host"] + sc.phases["input_prep"]
+        assert starts["weight_sync"] == 0 and starts["prefill"] == pytest.approx(max(host, expect))
+    sc = sim.schedules["serial"]
+    assert {p: a for _, p, a, _ in sc.spans}["prefill"] == pytest.approx(
+        sc.phases["host"] + sc.phases["input_prep"] + sc.phases["weight_sync"])
     # one device, the transformers engine: every tensor aligned (a view of the actor's), nothing to refill
     one = _config("configs/bench_cpu.flags")
     assert (one.rollout.engine, one.mesh.train_devices, one.mesh.rollout_tp) == ("hf", 1, 1)

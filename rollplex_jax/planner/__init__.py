@@ -14,6 +14,8 @@ rollplex; ``launch/plan.py`` prints it, the runtime uses it to pick the optimize
 - ``layouts``: the two layouts phase by phase (``naive_colocation``, ``rollplex``), the rollout
   weights from the per-tensor sharing classification (``sharing_classification``), the assumptions
   every plan lists;
+- ``baseline``: the paper's baseline as a preset (``megatron_vllm``: naive colocation as Megatron-Core + vLLM
+  hold it, HYPOTHETICAL; ``launch.plan --baseline=megatron_vllm``) and the sweep of its assumptions;
 - ``budget``: ``plan()`` itself (the optimizer policy resolved, then both layouts),
   ``choose_optimizer_policy`` and ``smallest_budget``.
 
@@ -25,6 +27,7 @@ from rollplex_jax.planner.activations import (
     prefix_residual_bytes,
     saved_activations,
 )
+from rollplex_jax.planner.baseline import BASELINES, megatron_vllm
 from rollplex_jax.planner.budget import Budget, choose_optimizer_policy, plan, smallest_budget
 from rollplex_jax.planner.layouts import WEIGHT_SHARING_RULE, build_plan, sharing_classification
 from rollplex_jax.planner.types import (
@@ -47,8 +50,9 @@ from rollplex_jax.planner.types import (
 )
 
 __all__ = [
-    "ATTENTIONS", "BWD_FACTOR", "DENSE_PROGRAMS", "DEFAULT_PROGRAMS", "LAYOUTS", "REMATS", "WEIGHT_SHARING_RULE",
-    "Budget", "BudgetError", "GiB", "KiB", "Lengths", "MiB", "ParamCounts", "Plan", "PlanMesh", "ProgramModel",
-    "build_plan", "choose_optimizer_policy", "human_bytes", "param_counts", "plan", "prefix_residual_bytes",
-    "saved_activations", "sharing_classification", "smallest_budget",
+    "ATTENTIONS", "BASELINES", "BWD_FACTOR", "DENSE_PROGRAMS", "DEFAULT_PROGRAMS", "LAYOUTS", "REMATS",
+    "WEIGHT_SHARING_RULE", "Budget", "BudgetError", "GiB", "KiB", "Lengths", "MiB", "ParamCounts", "Plan",
+    "PlanMesh", "ProgramModel", "build_plan", "choose_optimizer_policy", "human_bytes", "megatron_vllm",
+    "param_counts", "plan", "prefix_residual_bytes", "saved_activations", "sharing_classification",
+    "smallest_budget",
 ]

@@ -32,9 +32,11 @@ Tp / Tv / Tr prompt / vision / answer tokens per row from ``Lengths``, kv heads 
 - rollout weights: naive = P x b / rollout_tp (a full second copy);
   rollplex: the engine-owned (rebuilt) bytes of the per-tensor classification
   (``sharing.plan_sharing``, the largest of any device); aligned and view tensors alias the actor's
-  compute weights. (Before issue 7 this was assumed to be ``max(0, P / rollout_tp - P / (fsdp * tp))
-  x b``, the part not held locally: ``remote_bytes_per_device`` of the classification, a lower bound
-  for an engine that takes split pieces.)
+  compute weights; the classification also reports the physical floor of the rebuilt bytes
+  (``floor_bytes_per_device``: what a rollout rank reads that its device's training shards cannot hold in
+  any layout, ``sharing.floor_bytes``). (Before issue 7 this was assumed to be
+  ``max(0, P / rollout_tp - P / (fsdp * tp)) x b``, the part not held locally: ``remote_bytes_per_device``
+  of the classification, a lower bound for an engine that takes split pieces.)
 
 Activations (phase-local temporaries of the largest program in a phase), per device:
 - rollout: the engine's decode temporaries (rows x V fp32 logits and sampling probs) or one prefill
@@ -63,16 +65,17 @@ Activations (phase-local temporaries of the largest program in a phase), per dev
   prompt's patches repeated for its G answers, as the serial schedule's micro-batches are built up front).
 
 Naive colocation vs the paper's "about 165 GiB per GPU" (Qwen2.5-VL-32B, 32 x H800): with
-``configs/qwen2_5_vl_32b_h800x32.flags`` this planner gives about 82 GiB, 25 of them the 256 answers'
-inputs held whole on every device (dense attention with per-layer recompute: about 102 GiB). The numbers
-are not tuned to match; the gap is in assumptions the paper does not state: we shard the fp32 master
-weights and Adam moments over all 32 GPUs (FSDP; sharded over the TP group only they are 46.7 GiB instead
-of 11.7: +35 GiB),
-keep gradients in bf16 (Megatron's fp32 main-grad buffers: +7.8 GiB), count the rollout KV cache of
-exactly the sequences a replica decodes (vLLM reserves a pool of gpu_memory_utilization x HBM),
-train on one sequence per GPU per micro-batch with a memory-efficient attention kernel and per-layer
-recompute, and our naive layout by definition holds no boundary KV (the paper's co-residence count
-includes it).
+``configs/qwen2_5_vl_32b_h800x32.flags`` this planner's naive layout gives about 82 GiB, 25 of them the 256
+answers' inputs held whole on every device (dense attention with per-layer recompute: about 102 GiB). It is
+our runtime's sharding with everything resident, not the paper's stack: weights, bf16 gradients, fp32
+master weights and Adam moments all sharded over the 32 GPUs (ZeRO-3 style), a rollout KV cache of exactly
+the sequences a replica decodes, one sequence per GPU per micro-batch with a memory-efficient attention
+kernel and per-layer recompute, and by definition no boundary KV. The paper's stack is planned by
+``baseline.megatron_vllm`` (``launch.plan --baseline=megatron_vllm``, HYPOTHETICAL): weights over TP 8 only,
+Megatron's fp32 main-grad buffers, its distributed optimizer over the data-parallel group, vLLM's pool at
+gpu_memory_utilization 0.9 x 80 GiB, per-sample actor and reference boundary KV: about 147 GiB, 18 GiB under
+the paper's figure (not tuned to match). vLLM's gpu_memory_utilization moves it most (0.45: -36 GiB); without
+a distributed optimizer (master weights and moments over TP only) it is +35 GiB (182 GiB).
 """
 
 from __future__ import annotations
@@ -203,9 +206,24 @@ def _zeros() -> dict:
 
 def naive_colocation(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s: Sizes) -> dict:
     """{phase: {class: bytes}} of serial colocation with everything resident (module doc)."""
+    grads = s.compute
+    act = naive_activations(cfg, lengths, mesh, pm, s)
+    naive = _zeros()
+    for p in PHASES:
+        naive[p].update(compute_weights=s.compute, master_weights=s.master, optimizer_state=s.moments,
+                        ref_weights=s.ref, rollout_weights=s.rollout_copy, rollout_kv=s.rollout_kv,
+                        gradients=grads, other=s.other_naive, activations=act[p])
+    naive["train"]["activations"] += grads  # the micro-batch's gradient before it is added to the accumulator
+    naive["update"]["activations"] += grads  # the clipped gradients
+    return naive
+
+
+def naive_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s: Sizes) -> dict:
+    """{phase: bytes} of the serial schedule's phase-local temporaries over full sequences, one micro-batch per
+    program, without a gradient-sized buffer (module doc; ``baseline`` reuses them)."""
     m = cfg.model
     x, v, b = m.text, m.vision, dtype_bytes(m)
-    Tr, tp, r_mb, grads = lengths.response_tokens, mesh.tp, s.r_mb, s.compute
+    Tr, tp, r_mb = lengths.response_tokens, mesh.tp, s.r_mb
     patches = lengths.vision_tokens * v.spatial_merge_size**2
     t_full = lengths.prompt_tokens + Tr
     n_mb = r_mb * patches
@@ -216,17 +234,9 @@ def naive_colocation(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramM
     train = (saved_activations(m, r_mb, t_full, t_full, n_mb, pm, per_image=patches, tp=tp)
              + BWD_FACTOR * max(layer_temp(m, r_mb, t_full, t_full, pm, tp), block_temp(m, n_mb, pm, patches, tp))
              + one_layer_saved(m, r_mb, t_full, t_full, n_mb, pm, tp)) \
-        + r_mb * s.logits_row * (t_full * (2 * F32 + b) + Tr * 2 * F32) + grads
-    naive = _zeros()
-    for p in PHASES:
-        naive[p].update(compute_weights=s.compute, master_weights=s.master, optimizer_state=s.moments,
-                        ref_weights=s.ref, rollout_weights=s.rollout_copy, rollout_kv=s.rollout_kv,
-                        gradients=grads, other=s.other_naive)
-    naive["rollout"]["activations"] = s.engine_tmp
-    naive["score"]["activations"] = score if cfg.rl.uses_reference else 0.0
-    naive["train"]["activations"] = train
-    naive["update"]["activations"] = grads + 2 * s.counts.total * F32 / mesh.devices
-    return naive
+        + r_mb * s.logits_row * (t_full * (2 * F32 + b) + Tr * 2 * F32)
+    return {"rollout": s.engine_tmp, "score": score if cfg.rl.uses_reference else 0.0, "train": train,
+            "update": 2 * s.counts.total * F32 / mesh.devices}  # the fp32 AdamW temporaries over the shard
 
 
 def gathered_weights(s: Sizes, mesh: PlanMesh) -> float:
@@ -388,6 +398,8 @@ def build_plan(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, 
         "rebuilt_bytes_per_device": int(s.rebuilt),
         "rebuilt_fraction_of_rollout_shard": round(s.rebuilt / s.rollout_copy, 4) if s.rollout_copy else 0.0,
         "naive_copy_bytes_per_device": int(s.rollout_copy),
+        "floor_bytes_per_device": s.classification["floor_bytes_per_device"],
+        "data_parallel": mesh.dp, "hypothetical": mesh.dp > 1,  # weights replicated over dp: planned, not run
         "classification": s.classification,
     }
     phases = {"naive_colocation": naive_colocation(cfg, lengths, mesh, pm, s),

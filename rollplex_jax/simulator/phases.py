@@ -31,7 +31,10 @@ timeline. Costs of the programs come from ``costs``.
   reads and writes each byte at HBM bandwidth; the rest comes from the other devices of the training
   fsdp x tp group, over NVLink when that group fits in a node (``hw.devices_per_node``), else the network:
     t_sync = 2 (R - R_remote) / hbm_bw + R_remote / link_bw
-  (taking both maxima, an upper bound on the slowest device's time). Until issue 16 this was
+  (taking both maxima, an upper bound on the slowest device's time). In one process (the devices fit a node)
+  the runtime refills these buffers right after the update on a side thread (``WeightPublisher.refill``), so
+  the sync runs beside the next step's host work and the rollout waits only for what it does not hide;
+  with several processes the engine reads an all-gathered copy inside the bind. Until issue 16 this was
   max(0, P/rollout_tp - P/(fsdp tp)) b / intra_bw, which is 0 whenever the TPs match although vLLM's
   fused tensors are rebuilt every step.
 - input assembly (host, ``hw.host_copy_bw`` > 0 only: CPU): the patch bytes of the rows scored (B x G
@@ -235,6 +238,7 @@ class WeightSync:
     serial_s: float  # colocated full copy over NVLink
     rollplex_s: float
     transfer_s: float  # disaggregated: the full copy over the network
+    after_update: bool  # rollplex's refill runs after the update, beside the next step's host work (one process)
 
 
 def weight_sync(s: Setup) -> WeightSync:
@@ -248,4 +252,5 @@ def weight_sync(s: Setup) -> WeightSync:
     return WeightSync(full_copy, rebuilt, remote, c["layout"], "NVLink" if in_node else "network",
                       serial_s=full_copy / hw.intra_bw,
                       rollplex_s=2 * max(0, rebuilt - remote) / hw.hbm_bw + remote / link_bw,
-                      transfer_s=full_copy / hw.inter_bw if mesh.devices > 1 else 0.0)
+                      transfer_s=full_copy / hw.inter_bw if mesh.devices > 1 else 0.0,
+                      after_update=mesh.devices <= hw.devices_per_node)

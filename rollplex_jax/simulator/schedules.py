@@ -127,13 +127,17 @@ def _overlapped_prefix(tl: _Timeline, ph: dict, t: float, t_roll_vis: float, hw:
     return t + stage, slow
 
 
-def build_schedule(name: str, phases: dict, overlap: bool, hw: Hardware) -> Schedule:
-    """The step's critical path and lanes from each phase's seconds (``overlap``: prefix beside the decode)."""
+def build_schedule(name: str, phases: dict, overlap: bool, hw: Hardware, sync_beside_host: bool = False
+                   ) -> Schedule:
+    """The step's critical path and lanes from each phase's seconds (``overlap``: prefix beside the decode;
+    ``sync_beside_host``: the weight sync is the previous update's refill, on a side thread that runs beside the
+    step's host work and input assembly, the rollout waiting for whichever ends last)."""
     ph = {p: phases.get(p, 0.0) for p in PHASES}
     tl = _Timeline()
     t = tl.add("host", "host", ph["host"], 0.0)
     t = tl.add("host", "input_prep", ph["input_prep"], t)
-    t = tl.add("weights", "weight_sync", ph["weight_sync"], t)
+    t = max(t, tl.add("weights", "weight_sync", ph["weight_sync"], 0.0)) if sync_beside_host else \
+        tl.add("weights", "weight_sync", ph["weight_sync"], t)
     t = tl.add("rollout", "prefill", ph["prefill"], t)
     t_roll_vis = phases.get("engine_vision", 0.0)
     t = tl.add("rollout", "engine vision", t_roll_vis, t)
@@ -198,7 +202,10 @@ def _assumptions(s: Setup, sync: WeightSync, pools: tuple[int, int], notes: list
         f"device; NVLink colocated, network disaggregated); rollplex refills only the engine-owned (rebuilt) "
         f"buffers of the per-tensor classification ({sync.layout} layout: {sync.rebuilt_bytes / 1e9:.2f} GB per "
         f"device, {sync.remote_bytes / 1e9:.2f} GB of it from other devices over {sync.link}, the rest copied "
-        "on the device at HBM bandwidth, read + write)",
+        "on the device at HBM bandwidth, read + write), "
+        + ("after the update on a side thread, beside the next step's host work (one process: "
+           "WeightPublisher.refill)" if sync.after_update else "inside the bind before the rollout (several processes: "
+           "the engine reads an all-gathered copy, a collective that is not moved off the critical path)"),
         f"disaggregated: {pools[0]} rollout + {pools[1]} training devices, synchronous on-policy, not pipelined",
         f"host work {hw.host_step_s} s per step" + (f"; input assembly on the critical path at "
                                                      f"{hw.host_copy_bw / 1e9:.2g} GB/s (patch bytes of the rows "
@@ -236,7 +243,7 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
                                    ("sharing_only", True, False)):
         scheds[name] = build_schedule(name, {**base, "input_prep": input_prep(s, B if sharing else s.rows),
                                              "weight_sync": sync.rollplex_s, **training(s, D, sharing, True)},
-                                      overlap, hw)
+                                      overlap, hw, sync_beside_host=sync.after_update)
     scheds["disaggregated"], pools, notes = _disaggregated(s, disagg_split, sync)
     details = {"rollout_rows_per_replica": math.ceil(s.rows / max(1, D // s.mesh.rollout_tp)),
                "params": s.counts.total, "disagg_pools": list(pools),

@@ -1,5 +1,6 @@
 """rollplex_jax.planner and launch.plan: the residual formula against the real program, parameter counts,
-the flagfiles, the CLI's JSON line, the optimizer policy choice and the budget error."""
+the flagfiles, the CLI's JSON line, the optimizer policy choice, the budget error, the weight-sharing floor
+and the megatron_vllm baseline preset (issue 20)."""
 
 import dataclasses
 import json
@@ -127,8 +128,10 @@ def test_new_flagfiles_parse(flagfile):
 
 def test_32b_flagfile_is_the_paper_setting():
     cfg = _cfg("qwen2_5_vl_32b_h800x32.flags")
-    assert cfg.model == ModelConfig.from_json_file(REPO / "configs" / "models" / "qwen2_5_vl_32b.json",
-                                                   dtype="bfloat16")
+    assert cfg.model.hf_layout() == ModelConfig.from_json_file(REPO / "configs" / "models" / "qwen2_5_vl_32b.json",
+                                                               dtype="bfloat16")
+    # the actor's parameters in vLLM's layout: row groups of the training TP (8; rollout TP 4 divides it)
+    assert (cfg.model.text.fuse_groups, cfg.model.text.vocab_multiple) == (8, 64)
     # the paper's TP8 x DP4: its data-parallel groups are FSDP groups here (the runtime's mesh), 32 devices
     assert (cfg.mesh.train_tp, cfg.mesh.train_fsdp, cfg.mesh.rollout_tp) == (8, 4, 4)
     assert cfg.mesh.train_devices == 32 and cfg.run.actor_prefix == "recompute"
@@ -165,6 +168,7 @@ def test_cli_32b_plan_fits_80gib_and_beats_naive_colocation():
     assert rollplex["phases"]["rollout"]["rollout_weights"] == c["extra_bytes_per_device"]
     assert any("per-tensor classification" in a for a in out["assumptions"])
     assert out["smallest_budget"]["bytes"] <= rollplex["peak_bytes"]
+    assert "baseline" not in out and "physical floor" in r.stdout  # issue 20: the floor line; no preset by default
 
 
 def test_cli_json_format_and_overrides():
@@ -248,3 +252,82 @@ def test_prefix_sharing_reference_and_recompute_switches():
     assert base["rollout"]["prefix_residuals"] == 0 < residuals["rollout"]["prefix_residuals"]
     # recompute keeps no residuals and recomputes one micro-batch's prefix at a time: less memory in train
     assert sum(base["train"].values()) < sum(residuals["train"].values())
+
+
+# --- the weight-sharing floor and the paper's baseline (issue 20) --------------------------------------------
+
+@pytest.mark.parametrize("rollout_tp", [8, 4])
+def test_32b_sharing_floor_on_the_flagfile_and_the_megatron_layout(rollout_tp):
+    """The flagfile's ZeRO-3-style mesh (fsdp 4 x tp 8: 1/32 of every matrix per device) leaves a floor of
+    P/t_r - P/32; the HYPOTHETICAL Megatron layout (tp 8, weights replicated over 4 data-parallel groups) has
+    P/t_r - P/8: none at rollout TP 8 (the issue's <= 5% target), P/8 = 7.8 GiB at TP 4."""
+    bf16 = 2 * planner.param_counts(_cfg("qwen2_5_vl_32b_h800x32.flags")).total
+    for fsdp, shards in ((4, 32), (1, 8)):
+        cfg = _cfg("qwen2_5_vl_32b_h800x32.flags", f"--rollout_tp={rollout_tp}", f"--train_fsdp={fsdp}")
+        assert cfg.model.text.fuse_groups == 8  # fused.param_layout(8, 8) and (8, 4)
+        ws = planner.plan(cfg, devices=32).weight_sharing
+        c = ws["classification"]
+        assert ws["hypothetical"] == (fsdp == 1) and ws["floor_bytes_per_device"] == c["floor_bytes_per_device"]
+        floor = max(0.0, bf16 / rollout_tp - bf16 / shards)
+        assert c["floor_bytes_per_device"] == pytest.approx(floor, rel=0.01, abs=2**20)
+        assert c["floor_bytes_per_device"] <= c["extra_bytes_per_device"]
+        assert c["extra_over_floor_bytes_per_device"] == c["extra_bytes_per_device"] - c["floor_bytes_per_device"]
+        if fsdp == 1 and rollout_tp == 8:
+            assert c["fractions"]["rebuilt"] <= 0.05 and c["extra_bytes_per_device"] == 0
+        else:
+            assert c["fractions"]["rebuilt"] > 0.99  # a rank's rows span several training shards
+
+
+def test_megatron_vllm_baseline_classes_add_up():
+    cfg, lengths, devices = _32b()
+    b = planner.megatron_vllm(cfg, lengths, devices)
+    P = planner.param_counts(cfg).total
+    assert b["mesh"] == {"devices": 32, "tp": 8, "dp": 4, "rollout_tp": 4, "rollout_replicas": 8,
+                         "optimizer_shards": 32}
+    for phase in PHASES:
+        assert set(b["phases"][phase]) == set(CLASSES)
+        assert b["peaks"][phase] == sum(b["phases"][phase].values())
+    assert b["peak_bytes"] == max(b["peaks"].values()) == b["peaks"][b["peak_phase"]]
+    t = b["phases"]["train"]
+    want = dict(compute_weights=P * 2 / 8, gradients=P * 4 / 8, master_weights=P * 4 / 32,
+                optimizer_state=P * 8 / 32, ref_weights=P * 2 / 8, rollout_weights=P * 2 / 4)
+    assert {k: t[k] for k in want} == pytest.approx(want, abs=1)
+    assert b["vllm_bytes"] == pytest.approx(0.9 * 80 * GiB, abs=4)  # weights + activations + pool
+    assert t["boundary_kv"] > 10 * GiB and t["rollout_kv"] > 0
+    assert any("HYPOTHETICAL" in a for a in b["assumptions"]) and len(b["assumptions"]) >= 10
+    # the default planner keeps its own, smaller naive layout
+    assert planner.plan(cfg, lengths, devices).peak_bytes("naive_colocation") < b["peak_bytes"]
+    # The honest figure with the assumptions printed: 146.7 GiB, 18 GiB (11%) under the paper's ~165 GiB.
+    # Not tuned: the sweep shows which assumption the gap hinges on.
+    assert 140 * GiB < b["peak_bytes"] < 155 * GiB
+    assert b["vs_paper_gib"] == pytest.approx(b["peak_gib"] - 165, abs=1e-3)
+
+
+def test_megatron_vllm_sweep_names_the_largest_move():
+    from rollplex_jax.planner import baseline
+
+    cfg, lengths, devices = _32b()
+    rows = baseline.sweep(cfg, lengths, devices)
+    P = planner.param_counts(cfg).total
+    assert [r["largest_move_gib"] for r in rows] == sorted((r["largest_move_gib"] for r in rows), reverse=True)
+    by = {r["assumption"]: {v["label"]: v["delta_gib"] for v in r["variants"]} for r in rows}
+    assert rows[0]["assumption"] == "vLLM gpu_memory_utilization"
+    assert by["vLLM gpu_memory_utilization"]["x0.5"] == pytest.approx(-0.45 * 80, abs=0.01)
+    assert by["distributed optimizer"]["off"] == pytest.approx(P * 12 * (1 / 8 - 1 / 32) / GiB, abs=0.01)
+    assert by["fp32 main_grad buffer"]["bf16 grads"] == pytest.approx(-P * 2 / 8 / GiB, abs=0.01)
+    assert by["boundary KV"]["none"] < by["boundary KV"]["per_prompt"] < 0
+
+
+def test_cli_megatron_vllm_baseline():
+    r = _run_plan("--flagfile=configs/qwen2_5_vl_32b_h800x32.flags", "--baseline=megatron_vllm", "--format=json",
+                  "--gpu_memory_utilization=0.5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(r.stdout.strip().splitlines()) == 1
+    out = json.loads(r.stdout)
+    b = out["baseline"]
+    assert b["name"] == "megatron_vllm" and "HYPOTHETICAL" in b["hypothetical"]
+    assert b["vllm_bytes"] == pytest.approx(0.5 * 80 * GiB, abs=4) and b["sweep"]
+    assert b["assumption_values"]["gpu_memory_utilization"] == 0.5
+    assert set(out["layouts"]) == {"naive_colocation", "rollplex"}  # the default plan, unchanged, beside it
+    c = out["weight_sharing"]["classification"]
+    assert c["floor_bytes_per_device"] <= c["extra_bytes_per_device"]

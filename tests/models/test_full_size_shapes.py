@@ -11,7 +11,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from rollplex_jax.config import ModelConfig
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import normalize_name
-from rollplex_jax.models.qwen2_5_vl.params import count_params, init_params, param_shapes
+from rollplex_jax.models.qwen2_5_vl.params import checkpoint_specs, count_params, init_params, param_shapes
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models")
 
@@ -41,9 +41,12 @@ def test_same_tensors_as_transformers(fname):
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
         del hf["lm_head.weight"]
-    ours = {k: tuple(v.shape) for k, v in param_shapes(cfg).items()}
+    ours = {k: tuple(s) for k, (s, _) in checkpoint_specs(cfg).items()}  # the checkpoint's tensors
     assert ours == hf
     assert count_params(param_shapes(cfg)) == sum(p.numel() for p in model.parameters())
+    laid = cfg.with_param_layout(fuse_groups=8, vocab_multiple=64)  # the actor's (vLLM's) layout: same params
+    assert count_params(param_shapes(laid)) - count_params(param_shapes(cfg)) == (
+        (laid.text.vocab_rows - cfg.text.vocab_size) * cfg.text.hidden_size * (1 if cfg.tie_word_embeddings else 2))
 
 
 @pytest.mark.parametrize("fname", list(SIZES))

@@ -14,6 +14,7 @@ from safetensors.torch import save_file as torch_save_file
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from rollplex_jax.config import tiny_model_config
+from rollplex_jax.models.qwen2_5_vl.fused import to_hf
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -62,7 +63,9 @@ def expected(model) -> dict[str, torch.Tensor]:
     return sd
 
 
-def assert_equals_torch(params, sd):
+def assert_equals_torch(params, sd, cfg=None):
+    """The actor's params, in the checkpoint's layout (fused.to_hf), hold exactly the torch tensors' bytes."""
+    params = to_hf(params, cfg or tiny_model_config(tie_word_embeddings="lm_head.weight" not in params))
     assert set(params) == set(sd)
     for k, t in sd.items():
         assert params[k].shape == tuple(t.shape), k
@@ -108,8 +111,8 @@ def test_save_round_trips_and_loads_in_transformers(model, shard, tmp_path):
     else:
         assert len(written) > 3 and (tmp_path / "ours" / INDEX_FILE).exists()
         index = json.loads((tmp_path / "ours" / INDEX_FILE).read_text())
-        assert set(index["weight_map"]) == set(params) and set(index["weight_map"].values()) == set(written)
-        assert index["metadata"]["total_size"] == sum(v.nbytes for v in params.values())
+        assert set(index["weight_map"]) == set(to_hf(params, cfg)) and set(index["weight_map"].values()) == set(written)
+        assert index["metadata"]["total_size"] == sum(v.nbytes for v in to_hf(params, cfg).values())
         for f in written:  # a tensor over the limit gets a shard of its own
             n_in = list(index["weight_map"].values()).count(f)
             assert n_in == 1 or os.path.getsize(tmp_path / "ours" / f) < shard + 4096  # + header

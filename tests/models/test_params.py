@@ -1,4 +1,4 @@
-"""Parameter tree invariants: HF layout names, logical axes per dimension, dtypes, determinism."""
+"""Parameter tree invariants: names, logical axes per dimension, dtypes, determinism."""
 
 import dataclasses
 
@@ -15,7 +15,8 @@ def test_every_parameter_has_one_logical_axis_per_dimension():
     cfg = tiny_model_config()
     for name, (shape, axes) in param_specs(cfg).items():
         assert len(shape) == len(axes), name
-    assert logical_axes(cfg)["model.layers.0.self_attn.q_proj.weight"] == ("q_heads", "embed")
+    assert logical_axes(cfg)["model.layers.0.self_attn.qkv_proj.weight"] == ("q_heads", "embed")
+    assert logical_axes(cfg)["model.layers.0.mlp.gate_up_proj.weight"] == ("mlp", "embed")
 
 
 def test_tied_model_has_no_lm_head():

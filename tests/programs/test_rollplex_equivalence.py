@@ -8,8 +8,8 @@ videos (a mp4 and a frame list, with their second_per_grid_ts), 2 steps. Also: t
 gradient equals the full-sequence gradient on random inputs (per parameter, fp32, rtol 1e-5), and a
 stale boundary state raises.
 
-Excluded from the parameter comparison: the decoder's ``self_attn.k_proj.bias`` (its exact gradient is
-identically zero: ``tests.equivalence.ZERO_GRADIENT``).
+Excluded from the parameter comparison: the decoder's ``self_attn.qkv_proj.bias`` (it holds the k bias,
+whose exact gradient is identically zero: ``tests.equivalence.ZERO_GRADIENT``).
 """
 
 import dataclasses

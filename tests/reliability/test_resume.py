@@ -72,6 +72,23 @@ def test_resume_equals_uninterrupted(tmp_path, schedule):
     assert _metrics(rest) == _metrics(full[2:])
 
 
+def test_resume_refuses_another_parameter_layout(tmp_path):
+    """A checkpoint's fused rows are grouped for the engine's TP (fused.py): under another grouping the same shapes
+    hold other rows, so a resume with flags that change the layout must refuse, naming the fix."""
+    import dataclasses
+
+    a = Runner(_config(tmp_path / "a", steps=2))
+    list(a.run())
+    a.close()
+    cfg = _config(tmp_path / "a", steps=4, resume=True)
+    other = dataclasses.replace(cfg, model=cfg.model.with_param_layout(fuse_groups=2))
+    with pytest.raises(ConfigError, match="layout .*resume with the flags it was saved with"):
+        Runner(other)
+    b = Runner(cfg)  # the layout it was saved with resumes
+    assert b.step == 2
+    b.close()
+
+
 def _launch(workdir, *extra, module=("launch.main",)):
     args = ["--flagfile=configs/tiny_cpu.flags", "--schedule=serial", f"--workdir={workdir}", "--batch_prompts=2",
             "--group_size=4",

@@ -16,9 +16,11 @@ import torch
 from rollout_torch.hf_engine import HFEngine
 from rollout_torch.weights import LiveViewError, checksums
 from rollplex_contract.batch import Prompts, SamplingParams
-from rollplex_contract.layout import ALIGNED, REBUILT
+from rollplex_contract.layout import ALIGNED, REBUILT, VIEW
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.models.qwen2_5_vl import model as M
+from rollplex_jax.models.qwen2_5_vl.fused import to_hf
+from rollplex_jax.models.qwen2_5_vl.names import normalize_name
 from rollplex_jax.models.qwen2_5_vl.params import init_params
 from rollplex_jax.sharing import WeightPublisher, donated
 from tests.hf_reference import mm_inputs
@@ -44,16 +46,21 @@ def _jax_logprobs(cfg, params, inp, ro):
     return np.asarray(M.suffix_logprobs(last, M.suffix_forward(params, cfg, state, ids, mask), ids, mask))
 
 
-def test_every_tensor_is_an_aligned_zero_copy_view():
+def test_every_tensor_is_a_zero_copy_view():
     cfg, params, _, eng = _setup()
-    bound = eng.bound_tensors()
-    assert set(bound) == set(params)
-    for name, t in bound.items():
-        assert t.data_ptr() == params[name].unsafe_buffer_pointer(), name
+    bound = {normalize_name(k): t for k, t in eng.bound_tensors().items()}  # the checkpoint's names
+    assert set(bound) == set(to_hf(params, cfg))
+    spans = [(a.unsafe_buffer_pointer(), a.unsafe_buffer_pointer() + a.nbytes) for a in params.values()]
+    for name, t in bound.items():  # q/k/v, gate/up: row ranges of the fused actor buffer, the rest whole
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        assert any(a <= lo and hi <= b for a, b in spans), name
+        if name in params:
+            assert lo == params[name].unsafe_buffer_pointer(), name
     del bound, t  # our references count as live views too
     rep = eng.sharing_report()
     assert rep.counts[REBUILT] == 0 and rep.bytes[REBUILT] == 0
-    assert rep.fractions()[ALIGNED] == 1.0
+    assert rep.fractions()[ALIGNED] + rep.fractions()[VIEW] == 1.0  # views: q/k/v, gate/up row ranges
+    assert rep.counts[VIEW] > 0
     eng.release()
 
 
@@ -136,8 +143,8 @@ def test_rebind_after_donating_updates_keeps_engine_equal_to_actor():
         reused = sum(params[k].unsafe_buffer_pointer() == old_ptrs[k] for k in params)
         assert reused == len(params)  # the update wrote in place: no second copy of the weights
         pub.publish(params, version=step)
-        engine_sums = checksums(eng.bound_tensors())
-        actor_sums = checksums({k: torch.from_numpy(np.array(v)) for k, v in params.items()})
+        engine_sums = checksums({normalize_name(k): t for k, t in eng.bound_tensors().items()})
+        actor_sums = checksums({k: torch.from_numpy(np.array(v)) for k, v in to_hf(params, cfg).items()})
         assert engine_sums == actor_sums
     after = eng.generate(Prompts(**inp), 2, sp)
     assert not np.array_equal(before.logprobs, after.logprobs)

@@ -4,16 +4,18 @@ A checkpoint directory holds ``config.json`` and either one ``model.safetensors`
 or shards ``model-0000i-of-0000N.safetensors`` listed by
 ``model.safetensors.index.json`` (its ``weight_map`` maps tensor name -> shard).
 
-Our parameters (``params.Params``) are keyed by the names transformers 5 writes to
-disk (``model.embed_tokens.weight``, ``model.layers.N.*``, ``visual.*``,
-``lm_head.weight``). Files may also use transformers' in-memory spelling
+A checkpoint's tensors are keyed by the names transformers 5 writes to disk
+(``model.embed_tokens.weight``, ``model.layers.N.*``, ``visual.*``, ``lm_head.weight``); the
+actor's parameters (``params.Params``) are in the engine's layout (fused q/k/v and gate/up,
+padded vocabulary: ``fused.py``), converted exactly at load and save. Files may also use transformers'
+in-memory spelling
 (``model.language_model.*``, ``model.visual.*``); the loader accepts both.
 
-Loading checks every tensor against ``param_specs(cfg)`` before reading any data
+Loading checks every tensor against ``checkpoint_specs(cfg)`` before reading any data
 and raises one ``CheckpointError`` naming every missing, unexpected or misshapen
 tensor. bfloat16 tensors are read as ``ml_dtypes.bfloat16`` numpy arrays (numpy
 has no bf16 of its own). Saving keeps each parameter's dtype, so a checkpoint
-loaded in its own dtype and saved again has byte-identical tensors.
+loaded in its own dtype (in any layout) and saved again has byte-identical tensors.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rollplex_jax.config import ModelConfig
+from rollplex_jax.models.qwen2_5_vl.fused import to_actor, to_hf
 from rollplex_jax.models.qwen2_5_vl.names import normalize_name  # noqa: F401  (re-exported)
-from rollplex_jax.models.qwen2_5_vl.params import Params, param_specs
+from rollplex_jax.models.qwen2_5_vl.params import Params, checkpoint_specs, param_specs
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -109,18 +112,19 @@ def tensor_files(model_dir: str | os.PathLike) -> dict[str, str]:
     return out
 
 
-def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
-    """Checks tensor names and shapes against ``param_specs(cfg)``, reporting every problem at once.
+def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str, *, actor: bool = False) -> None:
+    """Checks tensor names and shapes against ``checkpoint_specs(cfg)`` (``actor``: the actor's
+    ``param_specs(cfg)``), reporting every problem at once.
 
     Args:
         cfg: the model config.
-        shapes: ``{parameter name: shape}`` of what was found.
+        shapes: ``{tensor name: shape}`` of what was found.
         where: what is being checked (a path), for the message.
 
     Raises:
         CheckpointError: naming every missing tensor, unexpected tensor and shape mismatch.
     """
-    specs = param_specs(cfg)
+    specs = param_specs(cfg) if actor else checkpoint_specs(cfg)
     missing = [k for k in specs if k not in shapes]
     extra = sorted(k for k in shapes if k not in specs)
     wrong = [f"{k} (expected {tuple(specs[k][0])}, found {tuple(shapes[k])})"
@@ -141,7 +145,8 @@ def _read(path: str, name: str) -> np.ndarray:
         return f.get_tensor(name)
 
 
-def load_hf_checkpoint(model_dir: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, Params]:
+def load_hf_checkpoint(model_dir: str | os.PathLike, dtype: str | None = None, *, fuse_groups: int = 1,
+                       vocab_multiple: int = 1) -> tuple[ModelConfig, Params]:
     """Loads a Qwen2.5-VL Hugging Face checkpoint directory.
 
     Args:
@@ -151,16 +156,17 @@ def load_hf_checkpoint(model_dir: str | os.PathLike, dtype: str | None = None) -
             config's ``dtype`` / ``torch_dtype``.
 
     Returns:
-        ``(cfg, params)``: params is ``{name: jax.Array}`` on the default device, with exactly the
-        names and shapes of ``param_specs(cfg)``. A tied ``lm_head.weight`` found in the files
-        is dropped (it must equal the embedding).
+        ``(cfg, params)``: params is ``{name: jax.Array}`` on the default device in the actor's layout,
+        with exactly the names and shapes of ``param_specs(cfg)`` (``cfg`` carries ``fuse_groups`` and
+        ``vocab_multiple``: ``fused.py``). A tied ``lm_head.weight`` found in the files is dropped (it must
+        equal the embedding).
 
     Raises:
         CheckpointError: naming the missing config, missing shard, missing/unexpected/misshapen
             tensor, a tensor spelled twice, or a tied ``lm_head.weight`` differing from the embedding.
     """
     model_dir = os.fspath(model_dir)
-    cfg = read_config(model_dir, dtype=dtype)
+    cfg = read_config(model_dir, dtype=dtype).with_param_layout(fuse_groups, vocab_multiple)
     located: dict[str, tuple[str, str]] = {}  # our name -> (file path, name in file)
     for raw, path in tensor_files(model_dir).items():
         name = normalize_name(raw)
@@ -186,13 +192,14 @@ def load_hf_checkpoint(model_dir: str | os.PathLike, dtype: str | None = None) -
     check_shapes(cfg, shapes, f"checkpoint {model_dir!r}")
 
     dt = np.dtype(jnp.dtype(cfg.dtype))
-    loaded: Params = {}
+    loaded: dict[str, np.ndarray] = {}
     for path, names in by_file.items():
         with safe_open(path, framework="np") as f:
             for name, raw in names:
                 a = f.get_tensor(raw)
-                loaded[name] = jnp.asarray(a if a.dtype == dt else a.astype(dt))
-    return cfg, {name: loaded[name] for name in param_specs(cfg)}
+                loaded[name] = a if a.dtype == dt else a.astype(dt)
+    actor = to_actor(loaded, cfg)
+    return cfg, {name: jnp.asarray(actor.pop(name)) for name in param_specs(cfg)}
 
 
 def _hf_config_dict(cfg: ModelConfig) -> dict:
@@ -245,7 +252,8 @@ def save_hf_checkpoint(model_dir: str | os.PathLike, cfg: ModelConfig, params: P
     Args:
         model_dir: the directory (created if absent).
         cfg: the model config, written as ``cfg.to_hf_dict()``.
-        params: ``{name: array}`` with exactly the names and shapes of ``param_specs(cfg)``.
+        params: ``{name: array}`` with exactly the names and shapes of ``param_specs(cfg)`` (the actor's
+            layout; written in the checkpoint's, ``fused.to_hf``).
         max_shard_bytes: the largest shard size in bytes; None for a single file.
 
     Returns:
@@ -255,9 +263,10 @@ def save_hf_checkpoint(model_dir: str | os.PathLike, cfg: ModelConfig, params: P
         CheckpointError: params do not match ``param_specs(cfg)`` (every problem named).
     """
     model_dir = os.fspath(model_dir)
-    check_shapes(cfg, {k: tuple(v.shape) for k, v in params.items()}, "params to save")
+    check_shapes(cfg, {k: tuple(v.shape) for k, v in params.items()}, "params to save", actor=True)
     os.makedirs(model_dir, exist_ok=True)
-    arrays = {k: np.ascontiguousarray(np.asarray(jax.device_get(params[k]))) for k in param_specs(cfg)}
+    hf = to_hf({k: np.asarray(jax.device_get(v)) for k, v in params.items()}, cfg)
+    arrays = {k: np.ascontiguousarray(hf[k]) for k in checkpoint_specs(cfg)}
     nbytes = {k: a.nbytes for k, a in arrays.items()}
     shards = shard_names(list(arrays), nbytes, max_shard_bytes)
     metadata = {"format": "pt"}

@@ -1,10 +1,13 @@
-"""Qwen2.5-VL parameters: one flat pytree ``{hf_name: array}`` in HF tensor layout.
+"""Qwen2.5-VL parameters: one flat pytree ``{name: array}`` in the rollout engine's tensor layout.
 
-Names are exactly those of a Qwen2.5-VL safetensors checkpoint on disk
-(``model.layers.N...``, ``visual.blocks.N...``, ``lm_head.weight``), and every
-linear weight is ``[out, in]`` as in torch. So loading/saving a checkpoint is a
-dict copy, and a torch engine can alias each tensor through DLPack without a
-transpose. ``lm_head.weight`` is absent when the embeddings are tied.
+Names are those of a Qwen2.5-VL safetensors checkpoint on disk (``model.layers.N...``,
+``visual.blocks.N...``, ``lm_head.weight``) except the fused ones (``fused.py``): the decoder's
+``self_attn.qkv_proj`` (q, k, v) and ``mlp.gate_up_proj`` (gate, up), the vision blocks'
+``mlp.gate_up_proj`` and ``attn.qkv`` (rows grouped per engine TP rank), and the vocabulary rows padded
+to ``text.vocab_multiple``: vLLM's layout, so an engine aliases its tensors instead of rebuilding them.
+Every linear weight is ``[out, in]`` as in torch (no transpose for DLPack). ``checkpoint_specs`` gives
+the checkpoint's own tensors (what ``hf_checkpoint.py`` reads and writes, through ``fused.to_actor`` /
+``to_hf``). ``lm_head.weight`` is absent when the embeddings are tied.
 
 Every parameter carries logical axis names (``logical_axes``) that sharding
 rules map onto mesh axes.
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rollplex_jax.config import ModelConfig
+from rollplex_jax.models.qwen2_5_vl.fused import fused_tensors, to_actor, vocab_tensors
 
 Params = dict[str, jax.Array]
 
@@ -88,9 +92,25 @@ def _text_specs(cfg: ModelConfig) -> dict[str, Spec]:
     return specs
 
 
-def param_specs(cfg: ModelConfig) -> dict[str, Spec]:
-    """Shape and logical axes of every parameter, keyed by checkpoint name."""
+def checkpoint_specs(cfg: ModelConfig) -> dict[str, Spec]:
+    """Shape and logical axes of every tensor of a checkpoint (separate q/k/v, gate/up; the vocabulary)."""
     return {**_vision_specs(cfg), **_text_specs(cfg)}
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, Spec]:
+    """Shape and logical axes of every actor parameter (the fused layout, ``fused.py``), in checkpoint order."""
+    hf = checkpoint_specs(cfg)
+    fused = fused_tensors(cfg)
+    first = {ft.sources[0]: ft for ft in fused.values()}
+    consumed = {s for ft in fused.values() for s in ft.sources}
+    out: dict[str, Spec] = {}
+    for name, (shape, axes) in hf.items():
+        if name in first:
+            ft = first[name]
+            out[ft.name] = ((ft.rows, *shape[1:]), axes)
+        elif name not in consumed:
+            out[name] = ((cfg.text.vocab_rows, *shape[1:]), axes) if name in vocab_tensors(cfg) else (shape, axes)
+    return out
 
 
 def logical_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
@@ -113,11 +133,17 @@ def count_params(shapes: dict) -> int:
 def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
     """Random init as transformers does for Qwen2.5-VL: N(0, std) weights, zero biases, unit norms.
 
-    Deterministic in ``key``: each parameter's key is folded from a stable hash of its name.
+    Deterministic in ``key``: each checkpoint tensor's key is folded from a stable hash of its name (the
+    values do not depend on the layout), then the tensors are laid out as the actor's (``fused.to_actor``).
     """
+    return to_actor(init_checkpoint_tensors(cfg, key, std), cfg)
+
+
+def init_checkpoint_tensors(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
+    """``init_params`` in the checkpoint's layout (``checkpoint_specs``)."""
     dt = param_dtype(cfg)
     out: Params = {}
-    for name, (shape, _) in param_specs(cfg).items():
+    for name, (shape, _) in checkpoint_specs(cfg).items():
         if name.endswith("norm.weight") or name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight")):
             out[name] = jnp.ones(shape, dt)
         elif name.endswith(".bias"):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from rollplex_jax.config import ModelConfig, ProgramConfig, TextConfig
 from rollplex_jax.models.attention import KVSource, attention
+from rollplex_jax.models.qwen2_5_vl.fused import split_last
 from rollplex_jax.models.qwen2_5_vl.layers import apply_rope, constrain_rows, linear, rms_norm
 
 
@@ -25,16 +26,17 @@ def qkv_projection(p: dict, layer: int, x: jax.Array, cos, sin, cfg: TextConfig)
     """Rotated q [..., T, H, d], k/v [..., T, K, d] of one layer from normed input x [..., T, D]."""
     pre = f"model.layers.{layer}.self_attn."
     lead = x.shape[:-1]
-    q = linear(x, p[pre + "q_proj.weight"], p[pre + "q_proj.bias"]).reshape(*lead, -1, cfg.head_dim)
-    k = linear(x, p[pre + "k_proj.weight"], p[pre + "k_proj.bias"]).reshape(*lead, -1, cfg.head_dim)
-    v = linear(x, p[pre + "v_proj.weight"], p[pre + "v_proj.bias"]).reshape(*lead, -1, cfg.head_dim)
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    qkv = linear(x, p[pre + "qkv_proj.weight"], p[pre + "qkv_proj.bias"])  # one GEMM (fused.py)
+    q, k, v = (a.reshape(*lead, -1, cfg.head_dim) for a in split_last(qkv, (q, kv, kv), cfg.qkv_groups))
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def mlp(p: dict, layer: int, x: jax.Array) -> jax.Array:
+def mlp(p: dict, layer: int, x: jax.Array, cfg: TextConfig) -> jax.Array:
     pre = f"model.layers.{layer}.mlp."
-    return linear(jax.nn.silu(linear(x, p[pre + "gate_proj.weight"])) * linear(x, p[pre + "up_proj.weight"]),
-                  p[pre + "down_proj.weight"])
+    f = cfg.intermediate_size
+    gate, up = split_last(linear(x, p[pre + "gate_up_proj.weight"]), (f, f), cfg.mlp_groups)
+    return linear(jax.nn.silu(gate) * up, p[pre + "down_proj.weight"])
 
 
 def decoder_layer(p: dict, layer: int, h: jax.Array, cos, sin, extra: list[KVSource], self_valid: jax.Array,
@@ -57,7 +59,7 @@ def decoder_layer(p: dict, layer: int, h: jax.Array, cos, sin, extra: list[KVSou
     own = KVSource(k, v, self_valid, causal=True, segments=self_segments, q_segments=self_segments)
     a = attention(q, [*extra, own], impl=prog.attention, block=prog.attention_block)
     h = h + linear(a, p[pre + "self_attn.o_proj.weight"])
-    h = h + mlp(p, layer, rms_norm(h, p[pre + "post_attention_layernorm.weight"], cfg.rms_norm_eps))
+    h = h + mlp(p, layer, rms_norm(h, p[pre + "post_attention_layernorm.weight"], cfg.rms_norm_eps), cfg)
     return h, (k, v)
 
 
@@ -66,9 +68,10 @@ def final_norm(p: dict, h: jax.Array, cfg: TextConfig) -> jax.Array:
 
 
 def lm_logits(p: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Final-normed hidden states [..., D] -> fp32 logits [..., V]."""
+    """Final-normed hidden states [..., D] -> fp32 logits [..., V] (the vocabulary's: padding rows dropped)."""
     w = p["model.embed_tokens.weight"] if cfg.tie_word_embeddings else p["lm_head.weight"]
-    return linear(h, w).astype(jnp.float32)
+    logits = linear(h, w).astype(jnp.float32)
+    return logits if w.shape[0] == cfg.text.vocab_size else logits[..., :cfg.text.vocab_size]
 
 
 def embed(p: dict, cfg: ModelConfig, input_ids: jax.Array, vision_embeds: jax.Array | None,

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from rollplex_jax.config import ProgramConfig, VisionConfig
 from rollplex_jax.models.attention import KVSource, attention
+from rollplex_jax.models.qwen2_5_vl.fused import split_last
 from rollplex_jax.models.qwen2_5_vl.layers import (
     constrain_rows,
     layer_params,
@@ -61,7 +62,8 @@ def _attention(p: dict, prefix: str, x, cos, sin, seg, cfg: VisionConfig, prog: 
     g, segs, length = gather.shape
     local = n // g
     qkv = linear(x, p[prefix + "qkv.weight"], p[prefix + "qkv.bias"])
-    q, k, v = jnp.moveaxis(qkv.reshape(n, 3, cfg.num_heads, cfg.head_dim), 1, 0)
+    d = cfg.hidden_size
+    q, k, v = (a.reshape(n, cfg.num_heads, cfg.head_dim) for a in split_last(qkv, (d, d, d), cfg.qkv_groups))
     c, s = cos[:, None, :], sin[:, None, :]
     qf, kf = q.astype(jnp.float32), k.astype(jnp.float32)
     q = (qf * c + rotate_half(qf) * s).astype(x.dtype)
@@ -84,8 +86,10 @@ def _block(cfg: VisionConfig, prog: ProgramConfig, i: int, p: dict, x, cos, sin,
     x = x + _attention(p, pre + "attn.", rms_norm(x, p[pre + "norm1.weight"], 1e-6), cos, sin, seg, cfg, prog)
     h = rms_norm(x, p[pre + "norm2.weight"], 1e-6)
     act = _ACTS[cfg.hidden_act]
-    gate = act(linear(h, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.gate_proj.bias"]))
-    up = linear(h, p[pre + "mlp.up_proj.weight"], p[pre + "mlp.up_proj.bias"])
+    f = cfg.intermediate_size
+    gate, up = split_last(linear(h, p[pre + "mlp.gate_up_proj.weight"], p[pre + "mlp.gate_up_proj.bias"]), (f, f),
+                          cfg.mlp_groups)
+    gate = act(gate)
     return x + linear(gate * up, p[pre + "mlp.down_proj.weight"], p[pre + "mlp.down_proj.bias"])
 
 
