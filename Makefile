@@ -21,9 +21,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip check
 	touch $(STAMP)
 
+# The suite in 2 worker processes (pytest-xdist: XLA compiles on one core, so two workers fill two), then the
+# tests that measure wall time alone (marker `timing`).
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n 2 --dist=worksteal -m "not timing"
+	$(BIN)/python -m pytest tests -m timing
 
 # The tiny default end to end on CPU: a random-init tiny Qwen2.5-VL learns a synthetic visual task by
 # GRPO (outputs in runs/demo: metrics.jsonl, run_summary.json, plots/reward.png, tensorboard/, checkpoints/).

@@ -133,7 +133,9 @@ def sample(ctx: StepContext, params: dict, prompts: Prompts, *, n: int, seed: in
                         max_new_tokens=r.max_new_tokens, stop_token_ids=ctx.stop_ids, seed=seed,
                         first_prompt=first_prompt)
     tracer = tracer or Tracer()
-    with tracer.span("host", "bind", step):
+    with tracer.span("host", "weights_ready", step):  # the update's tail (and the refill of its output)
+        ctx.publisher.ready(params)
+    with tracer.span("host", "bind", step):  # views (+ copies into rebuilt buffers not refilled)
         ctx.publisher.publish(params, version=step)
     try:
         if during_decode is not None:

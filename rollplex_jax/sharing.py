@@ -81,12 +81,12 @@ class WeightPublisher:
         jax.block_until_ready(params)
         arrays = dict(params) if self.gather is None else self.gather(params)
         key = _layout_key(arrays)
-        if key != self._key:
+        if not _layout_equal(key, self._key):
             self.plan = plan_for_params(arrays, self.layout, 1, positions=[0], layout_name=self.engine.layout)
             self._key = key
-        refilled = done is not None and done.key == key and _same(arrays, done.params) and done.nbytes > 0
+        refilled = done is not None and _same(arrays, done.params) and done.nbytes > 0
         self.refilled_bytes = done.nbytes if refilled else 0
-        again = self.gather is None and key == self._published[0] and _same(arrays, self._published[1])
+        again = self.gather is None and _layout_equal(key, self._published[0]) and _same(arrays, self._published[1])
         self.engine.bind(self.plan.ranks[0], device_shards(arrays), refilled=refilled or again)
         self._arrays = arrays if self.gather is not None else None
         # the same arrays published again (a skipped update, validation): the rebuilt buffers hold them already
@@ -105,6 +105,12 @@ class WeightPublisher:
         if not any(rt.kind == REBUILT for rt in self.plan.ranks[0]):
             return
         self._refill = _Refill(self.engine, dict(params), self._key, tracer, step)
+
+    def ready(self, params: Mapping[str, jax.Array]) -> None:
+        """Waits until ``params`` are computed and a refill in flight is done (what ``publish`` waits for first)."""
+        if self._refill is not None:
+            self._refill.wait()
+        jax.block_until_ready(params)
 
     def join(self) -> _Refill | None:
         """Waits for a refill in flight (re-raising its error); returns it (None if none was started)."""
@@ -132,6 +138,15 @@ def _layout_key(arrays: Mapping[str, jax.Array]) -> tuple:
     return tuple((k, tuple(v.shape), str(v.dtype), v.sharding) for k, v in arrays.items())
 
 
+def _layout_equal(a: tuple | None, b: tuple | None) -> bool:
+    """Two layout keys describe the same shards (names, shapes, dtypes; shardings by what they place where: a
+    program's output may spell the same NamedSharding another way, e.g. P('fsdp') vs P('fsdp', None))."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    return all(ka == kb and sa == sb and da == db and (xa == xb or xa.is_equivalent_to(xb, len(sa)))
+               for (ka, sa, da, xa), (kb, sb, db, xb) in zip(a, b, strict=True))
+
+
 def _same(a: Mapping[str, jax.Array], b: Mapping[str, Any]) -> bool:
     """The very same arrays (identity: jax arrays are immutable, so the same array holds the same values);
     ``b``'s values may be weak references."""
@@ -151,9 +166,9 @@ class _Refill:
 
     def _run(self, engine, tracer, step: int) -> None:
         try:
-            start = tracer.now() if tracer is not None else 0.0
             jax.block_until_ready(self.params)  # the update's output: DLPack needs ready buffers
-            if _layout_key(self.params) == self.key:  # else the next publish classifies anew and fills
+            start = tracer.now() if tracer is not None else 0.0  # the copy alone, not the update's tail
+            if _layout_equal(_layout_key(self.params), self.key):  # else the next publish classifies anew and fills
                 self.nbytes = engine.refill(device_shards(self.params))
             if tracer is not None:
                 tracer.add("weights", "refill", step + 1, start, tracer.now(), bytes=self.nbytes)

@@ -5,6 +5,7 @@ import sys
 import time
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from tests.paths import REPO
@@ -23,6 +24,7 @@ def test_notebook_is_committed_without_outputs():
         assert cell.execution_count is None, cell.source[:80]
 
 
+@pytest.mark.timing
 def test_notebook_runs_headless(tmp_path, monkeypatch):
     # A kernel spec of this interpreter (the venv's python), first on JUPYTER_PATH: no other python3 kernel is used.
     spec = tmp_path / "jupyter" / "kernels" / "rollplex-test"

@@ -179,6 +179,7 @@ def _calibration_attempt(tmp_path, env) -> dict:
             "calibration": pred["hardware"]["calibration"]}
 
 
+@pytest.mark.timing
 def test_calibration_against_bench(tmp_path):
     """Predict bench_cpu on the measured CPU preset (probes only: nothing fitted to the bench), then run the
     real bench and compare: step-time ratios of serial and rollplex within 30%, the speedup within 25%.

@@ -98,3 +98,19 @@ def test_no_refill_while_bound_and_errors_reach_the_caller(setup, monkeypatch):
     with pytest.raises(RuntimeError, match="refilling") as e:
         pub.join()
     assert isinstance(e.value.__cause__, OSError)
+
+
+def test_a_sharding_spelled_another_way_is_the_same_layout():
+    """A program's output may spell its NamedSharding otherwise than ``mesh.place`` did (P('fsdp') vs P('fsdp',
+    None)); the refill must still count (else the first update's refill is skipped and its bind copies)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from rollplex_jax.sharing import _layout_equal, _layout_key
+
+    mesh = M.train_mesh(MeshConfig(train_fsdp=4))
+    x = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("fsdp")))
+    y = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("fsdp", None)))
+    z = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P(None, "fsdp")))
+    assert x.sharding != y.sharding and _layout_equal(_layout_key({"w": x}), _layout_key({"w": y}))
+    assert not _layout_equal(_layout_key({"w": x}), _layout_key({"w": z}))
