@@ -143,6 +143,7 @@ def test_malformed_jsonl_line_refuses_to_start(tmp_path):
 
 # --- 3, 4: rewards that hang or raise ---------------------------------------------------------------
 
+@pytest.mark.timing  # a wall-time bound: run alone (make test)
 def test_hanging_and_raising_rewards_are_counted_and_the_run_goes_on(tmp_path):
     # tests.reward_fns:hang_raise_or_one: of every 4 calls, one sleeps 120 s, one raises, two return 1.0.
     wd = tmp_path / "run"
@@ -167,6 +168,7 @@ def test_raising_reward_with_failure_raise_stops_naming_the_sample(tmp_path):
     assert _rows(wd) == []  # the failed step wrote no metrics row
 
 
+@pytest.mark.timing  # a wall-time bound: run alone (make test)
 def test_hanging_reward_with_failure_raise_exits_promptly(tmp_path):
     # The timeout becomes the error; the hung call's thread must not hold the process at exit.
     wd = tmp_path / "run"
