@@ -15,7 +15,7 @@ from absl import app, flags
 
 from launch import flags as launch_flags
 from rollplex_jax.config import Config, ConfigError
-from rollplex_jax.runner import Runner
+from rollplex_jax.run.runner import Runner
 
 
 def config_from_flagfile(path: str | os.PathLike, **overrides) -> Config:

@@ -5,7 +5,7 @@
 Modes (``--bench_modes``, default all): serial; rollplex (prefix sharing + overlap); overlap_only
 (--noprefix_sharing); sharing_only (--nooverlap). Each runs warm-up steps (compilation) then timed steps from the
 same initial params and prompts; step_s is the median timed step. The updated params of every
-mode are compared with serial's in units of the update (``rollplex_jax.equivalence``: per-element
+mode are compared with serial's in units of the update (``launch.equivalence``: per-element
 |a - b| / (lr x updates), attention key biases excluded, their exact gradient is zero): equivalent
 when the 99.9th percentile is <= --bench_tolerance (max and percentile in ``update_diff``);
 ``max_param_rel_diff`` (max over tensors of ||a - b|| / ||b||) is kept for reference.
@@ -37,7 +37,7 @@ _STEPS = flags.DEFINE_integer("bench_steps", 5, "Timed steps per mode.", lower_b
 _WARMUP = flags.DEFINE_integer("bench_warmup", 2, "Warm-up (compile) steps per mode.", lower_bound=0)
 _TOL = flags.DEFINE_float("bench_tolerance", 0.02, "Equivalent when the 99.9th percentile of the per-element param "
                           "difference to serial is at most this fraction of the update scale (lr x updates): see "
-                          "rollplex_jax/equivalence.py.")
+                          "launch/equivalence.py.")
 
 _MODES = flags.DEFINE_list("bench_modes", "serial,rollplex,overlap_only,sharing_only",
                            "Modes to run (serial always runs, first: the others are compared with it).")
@@ -57,7 +57,7 @@ def run_mode(cfg, name: str, steps: int, warmup: int, alone_rollout_s: dict[int,
     against. ``alone_rollout_s``: step -> serial's rollout seconds (None: this is serial, its own)."""
     import numpy as np
 
-    from rollplex_jax.runner import Runner
+    from rollplex_jax.run.runner import Runner
     from rollplex_jax.trace import overlap_spans, overlap_stats, write_chrome_trace
 
     run = dataclasses.replace(cfg.run, workdir=os.path.join(cfg.run.workdir, name), steps=steps + warmup,
@@ -66,7 +66,7 @@ def run_mode(cfg, name: str, steps: int, warmup: int, alone_rollout_s: dict[int,
     metrics = list(runner.run())
     import torch
 
-    torch_threads = torch.get_num_threads()  # what the run's decode used (rollplex_jax/threads.py)
+    torch_threads = torch.get_num_threads()  # what the run's decode used (rollplex_jax/parallel/threads.py)
     timed = metrics[warmup:]
     spans = [s for s in runner.tracer.spans if s.step >= warmup]
     if alone_rollout_s is None:
@@ -106,7 +106,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     import numpy as np
 
-    from rollplex_jax.equivalence import ZERO_GRADIENT, update_distance
+    from launch.equivalence import ZERO_GRADIENT, update_distance
     from rollplex_jax.trace import plot_timelines_side_by_side
 
     cfg = launch_flags.config_from_flags(flags.FLAGS)

@@ -2,7 +2,7 @@
 
   python -m launch.bench_rollout --flagfile=configs/bench_vlm448_cpu.flags [--rollout_repeats=5]
 
-Binds the engine (``--engine=hf``) to the run's initial params, then times ``scheduler.sample`` (bind, generate,
+Binds the engine (``--engine=hf``) to the run's initial params, then times ``rl_step.sample`` (bind, generate,
 release) on the run's first batch of prompts, G answers each, alternating the two ways: ``shared`` (each prompt
 prefilled once for its G answers, the default) and ``per_answer`` (each answer prefills its own copy of the
 prompt, as transformers' ``generate`` does). Prints one JSON line: each way's min and median seconds, the ratio
@@ -28,9 +28,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     import numpy as np
 
-    from rollplex_jax import scheduler
     from rollplex_jax.data import dataset as data_lib
-    from rollplex_jax.runner import Runner
+    from rollplex_jax.run.runner import Runner
+    from rollplex_jax.step import rl_step
 
     cfg = launch_flags.config_from_flags(flags.FLAGS)
     if cfg.rollout.engine != "hf":
@@ -43,7 +43,7 @@ def main(argv):
         for way in times:
             runner.engine.share_prefill = way == "shared"
             t0 = time.perf_counter()
-            outs[way] = scheduler.sample(runner.ctx, runner.state.params, prompts, n=g, seed=k)
+            outs[way] = rl_step.sample(runner.ctx, runner.state.params, prompts, n=g, seed=k)
             if k:  # the first of each way is a warm-up
                 times[way].append(time.perf_counter() - t0)
     runner.engine.share_prefill = True

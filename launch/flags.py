@@ -222,7 +222,7 @@ _HELP = {
     "max_batch": "Most sequences the rollout engine generates at once.",
     "torch_threads": "CPU threads of the torch rollout in every phase. 0 (default): on a CPU decode half the cores, "
                      "at least 1, so that torch and XLA's pool (all cores, fixed at start) do not oversubscribe "
-                     "them while the prefix programs overlap the decode (rollplex_jax/threads.py); on a GPU decode "
+                     "them while the prefix programs overlap the decode (parallel/threads.py); on a GPU decode "
                      "torch's own choice. N: N threads.",
     "batch_prompts": "B: prompts per RL step (B x G sequences).",
     "advantage": "Advantage estimator.",

@@ -1,6 +1,6 @@
 """Train a VLM with GRPO: python -m launch.main --flagfile=configs/tiny_cpu.flags [--workdir=DIR]
 
-Entry point only: flags -> Config -> rollplex_jax.runner. Writes metrics.jsonl, run_summary.json,
+Entry point only: flags -> Config -> rollplex_jax.run.runner. Writes metrics.jsonl, run_summary.json,
 plots/, TensorBoard events and checkpoints under --workdir (ARCHITECTURE.md "Run outputs").
 """
 
@@ -25,8 +25,8 @@ def define_distributed_flags() -> None:
 
 def start_distributed(fv) -> tuple[int, int]:
     """Starts jax.distributed when the flags say so or a SLURM step with several tasks runs this process
-    (rollplex_jax/distributed.py); (process index, count). Must run before anything touches JAX devices."""
-    from rollplex_jax import distributed
+    (rollplex_jax/parallel/distributed.py); (process index, count). Must run before anything touches JAX devices."""
+    from rollplex_jax.parallel import distributed
 
     try:
         spec = distributed.detect(fv.coordinator_address, fv.num_processes, fv.process_id)
@@ -45,7 +45,7 @@ def main(argv):
     from rollplex_jax.data.dataset import DataError
     from rollplex_jax.data.tokenizer import TokenizerError
     from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import CheckpointError
-    from rollplex_jax.runner import Runner
+    from rollplex_jax.run.runner import Runner
 
     try:
         runner = Runner(cfg)

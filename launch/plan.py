@@ -7,19 +7,19 @@
 Prints a table (phases as columns, buffer classes as rows, GiB per device, for both layouts, with the
 peaks, whether each fits --hbm_budget, the smallest budget that fits and every assumption), then one
 JSON object as the last stdout line (``--format=json``: only that line). The formulas and what they
-assume are in the ``rollplex_jax/planner/`` modules (``layouts``: the layouts; ``activations``: the per-layer
+assume are in the ``rollplex_jax/memory/planner/`` modules (``layouts``: the layouts; ``activations``: the per-layer
 formulas; ``types``: mesh, lengths, program model).
 
   python -m launch.plan --flagfile=... --compile [--format=json]
 
-adds XLA's own bytes: every program of one step AOT-compiled for the plan's shapes (``rollplex_jax/aot.py``;
+adds XLA's own bytes: every program of one step AOT-compiled for the plan's shapes (``rollplex_jax/memory/aot.py``;
 nothing is allocated, a mesh runs on fake CPU devices), per program and per phase, and the plan's JAX-side
 bytes over them (``planned_vs_compiled``).
 
   python -m launch.plan --flagfile=... --baseline=megatron_vllm [--gpu_memory_utilization=0.9]
 
 adds the paper's baseline (HYPOTHETICAL: its stack, planned, not run): naive colocation as Megatron-Core +
-vLLM would hold it, every role resident (``rollplex_jax/planner/baseline.py``), its assumptions and how much
+vLLM would hold it, every role resident (``rollplex_jax/memory/planner/baseline.py``), its assumptions and how much
 each one moves the peak (x0.5 / x2 or its alternative), beside the paper's ~165 GiB. The weight-sharing lines
 (every plan) give the engine's aligned / view / rebuilt bytes and the physical floor of the rebuilt ones.
 
@@ -27,7 +27,7 @@ each one moves the peak (x0.5 / x2 or its alternative), beside the paper's ~165 
       [--sim_response_mean=T] [--sim_disagg_split=0.5] [--plot_out=PATH]
 
 predicts the step time instead (phases x schedules serial / rollplex / overlap_only / sharing_only /
-disaggregated, speedups, assumptions; the ``rollplex_jax/simulator/`` modules), writes plan_timeline.png (under
+disaggregated, speedups, assumptions; the ``rollplex_jax/sim/`` modules), writes plan_timeline.png (under
 --workdir unless --plot_out), JSON last.
 """
 
@@ -55,7 +55,7 @@ _ATTENTION = flags.DEFINE_enum("plan_attention", "", ["", "flash", "dense"],
                                "programs the flags build.")
 _SIMULATE = flags.DEFINE_bool("simulate", False, "Predict each phase's time and the step time of serial, rollplex "
                                "(+ overlap_only, sharing_only) and disaggregated on --sim_hardware instead of memory "
-                               "(rollplex_jax/simulator/); writes plan_timeline.png.")
+                               "(rollplex_jax/sim/); writes plan_timeline.png.")
 _SWEEP = flags.DEFINE_bool("simulate_sweep", False, "With --simulate: also print which assumption moves the "
                            "rollplex/serial speedup most (each scaled x0.5 and x2).")
 _HW = flags.DEFINE_string("sim_hardware", "H800", "Hardware preset: H800, H100, H200 or cpu (measured by a short "
@@ -82,19 +82,19 @@ _GPU_UTIL = flags.DEFINE_float("gpu_memory_utilization", 0.9, "With --baseline=m
 _COMPILE = flags.DEFINE_bool("compile", False, "Also AOT-compile the run's real programs for these shapes on the "
                              "backend present (nothing is allocated; with fake CPU devices for a mesh larger than "
                              "the visible devices) and print XLA's bytes per program and phase beside the plan "
-                             "(rollplex_jax/aot.py).")
+                             "(rollplex_jax/memory/aot.py).")
 
 
 def _programs(cfg):
     """The program model: the run's (--attention, --remat), or --plan_attention / --plan_remat where given."""
-    from rollplex_jax import planner
+    from rollplex_jax.memory import planner
 
     pm = planner.ProgramModel.of(cfg.programs)
     return planner.ProgramModel(_ATTENTION.value or pm.attention, _REMAT.value or pm.remat)
 
 
 def _lengths(cfg):
-    from rollplex_jax import planner
+    from rollplex_jax.memory import planner
 
     return planner.Lengths.from_config(
         cfg, prompt_tokens=_PROMPT.value or None,
@@ -104,8 +104,8 @@ def _lengths(cfg):
 
 def table(p, budget_line: str) -> str:
     """The plan as text: one block per layout, classes as rows, phases as columns, GiB per device."""
-    from rollplex_jax import planner
-    from rollplex_jax.memory_classes import CLASSES, PHASES
+    from rollplex_jax.memory import planner
+    from rollplex_jax.memory.classes import CLASSES, PHASES
 
     top = max(p.peak_bytes(name) for name in planner.LAYOUTS)
     unit, size = next((u, s) for u, s in (("GiB", planner.GiB), ("MiB", planner.MiB), ("KiB", planner.KiB),
@@ -133,7 +133,7 @@ def sharing_table(ws: dict, devices: int = 0) -> str:
     """The weight-sharing classification (issue 7): counts, bytes and byte fractions per class, per device; the
     physical floor of the engine-owned bytes and the distance to it (issue 20). ``devices``: the plan's (a
     training mesh smaller than that is replicated over data parallelism: HYPOTHETICAL)."""
-    from rollplex_jax import planner
+    from rollplex_jax.memory import planner
 
     c = ws["classification"]
     if not c:
@@ -173,7 +173,7 @@ def main(argv):
     cfg = launch_flags.config_from_flags(flags.FLAGS)
     if _COMPILE.value:
         _fake_devices(cfg.mesh.train_devices)
-    from rollplex_jax import planner
+    from rollplex_jax.memory import planner
 
     if _SIMULATE.value:
         return simulate_main(cfg)
@@ -216,7 +216,7 @@ def main(argv):
 def baseline_section(cfg, lengths, devices: int) -> dict:
     """The --baseline preset's plan (``planner.baseline``) with its sweep, under the paper stack's programs
     (FlashAttention, per-layer recompute), not --attention / --remat / --plan_attention."""
-    from rollplex_jax.planner import baseline
+    from rollplex_jax.memory.planner import baseline
 
     a = baseline.Assumptions(gpu_memory_utilization=_GPU_UTIL.value,
                              hbm_bytes=cfg.memory.budget_bytes or baseline.Assumptions.hbm_bytes)
@@ -231,8 +231,8 @@ def baseline_section(cfg, lengths, devices: int) -> dict:
 def baseline_table(b: dict) -> str:
     """The baseline preset as text: classes x phases (GiB per device), the peak beside the paper's, every
     assumption, and the sweep (largest move first)."""
-    from rollplex_jax import planner
-    from rollplex_jax.memory_classes import CLASSES, PHASES
+    from rollplex_jax.memory import planner
+    from rollplex_jax.memory.classes import CLASSES, PHASES
 
     m, w, g = b["mesh"], max(len(c) for c in CLASSES) + 2, planner.GiB
     lines = ["", f"baseline {b['name']} -- GiB per device (Megatron tp {m['tp']} x dp {m['dp']}, vLLM tp "
@@ -254,7 +254,7 @@ def baseline_table(b: dict) -> str:
 def compiled_section(cfg, lengths, p) -> dict:
     """``compiled`` (per program: XLA's temp/argument/output/alias/total bytes per device) and, per phase of the
     schedule's layout, the compiled bytes and ``planned_vs_compiled`` (the plan's JAX-side bytes / compiled)."""
-    from rollplex_jax import aot
+    from rollplex_jax.memory import aot
 
     c = aot.compiled_memory(cfg, lengths, policy=p.optimizer_policy, frames=_FRAMES.value)
     out = {"compiled": {k: v.to_dict() for k, v in c.programs.items()},
@@ -266,7 +266,7 @@ def compiled_section(cfg, lengths, p) -> dict:
 
 
 def compiled_table(out: dict) -> str:
-    from rollplex_jax import planner
+    from rollplex_jax.memory import planner
 
     gib = lambda b: f"{b / planner.GiB:10.3f}"  # noqa: E731
     lines = ["", "AOT-compiled programs (GiB per device): temp, arguments, outputs, aliases, total"]
@@ -297,7 +297,8 @@ def _fake_devices(n: int) -> None:
 def simulate_main(cfg):
     import os
 
-    from rollplex_jax import hardware, simulator
+    from rollplex_jax import sim as simulator
+    from rollplex_jax.sim import hardware
 
     try:
         lengths = _lengths(cfg)

@@ -48,8 +48,9 @@ def serial_batch(cfg):
     import numpy as np
 
     from rollplex_contract.batch import Rollouts
-    from rollplex_jax import multihost, run_setup
     from rollplex_jax.data import dataset as data_lib
+    from rollplex_jax.parallel import multihost
+    from rollplex_jax.run import setup as run_setup
 
     tok = run_setup.tokenizer(cfg)
     ds, _ = run_setup.load_split(cfg, tok, cfg.run.workdir, multihost.Processes(), "train", cfg.data.dataset,

@@ -42,7 +42,7 @@ def spans_from_chrome_trace(path: str) -> list:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    from rollplex_jax import outputs
+    from rollplex_jax.run import outputs
     from rollplex_jax.trace import plot_timeline
 
     wd, out = FLAGS.workdir, FLAGS.out

@@ -3,7 +3,7 @@
 vLLM runs in this process (V1 engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager mode) on a
 model built from a checkpoint directory; its own weights are then replaced by the actor's. The
 trainer describes vLLM's tensors (``layout = "vllm"`` for Qwen2.5-VL, ``"vllm_text"`` for the
-text-only Qwen2 path: ``rollplex_jax.engine_layouts.vllm_layout``, the one definition the planner
+text-only Qwen2 path: ``rollplex_jax.weights.engine_layouts.vllm_layout``, the one definition the planner
 uses too) and classifies them against the training shards; ``bind`` receives that ``RankTensor``
 list with the shards and checks it against vLLM's own parameters:
 

@@ -123,7 +123,7 @@ class Engine(Protocol):
     """A rollout engine bound to the actor's weights.
 
     ``layout`` names the engine's tensor layout (``"hf"``, ``"vllm"``, ``"vllm_text"``): the trainer describes
-    that layout's tensors in terms of its own parameters (``rollplex_jax.engine_layouts``), classifies them
+    that layout's tensors in terms of its own parameters (``rollplex_jax.weights.engine_layouts``), classifies them
     against the training shards, and hands each rank its ``RankTensor`` list with the shards (``bind``).
     """
 

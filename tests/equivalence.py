@@ -12,7 +12,7 @@ The comparison here is in units of the update itself: each AdamW step moves an e
 (|m_hat / sqrt(v_hat)| ~ 1), so after ``updates`` steps the motion scale is ``lr * updates``. Two runs
 that differ only by reduction order differ by a small fraction of it (measured <= 1e-3 of it: see the
 tests), while a real error (a wrong sign, a missing micro-batch, a stale prefix, a wrong mask) changes
-updates by O(lr) on many elements (``rollplex_jax.equivalence``). Stated tolerance: |a - b| <= ``rel`` x lr x
+updates by O(lr) on many elements (``launch.equivalence``). Stated tolerance: |a - b| <= ``rel`` x lr x
 updates + 4 ulp(b), per element, ``rel`` = 2% by default (>= 20x the measured noise, <= 1/25 of one real
 update error), with Adam eps 1e-6 in these tests (eps bounds the amplification at lr / eps). Gradient
 *scale* errors that Adam's normalisation hides are caught by the metrics (loss, grad_norm, kl) compared
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollplex_jax.equivalence import ZERO_GRADIENT, update_distance
+from launch.equivalence import ZERO_GRADIENT, update_distance
 
 
 def assert_same_updates(got: dict, ref: dict, *, lr: float, updates: int, rel: float = 0.02,

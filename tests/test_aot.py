@@ -1,4 +1,4 @@
-"""AOT-compiled memory of the real programs (rollplex_jax/aot.py, launch.plan --compile) on the tiny config."""
+"""AOT-compiled memory of the real programs (rollplex_jax/memory/aot.py, launch.plan --compile) on the tiny config."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from launch.api import config_from_flagfile
-from rollplex_jax import aot, planner
+from rollplex_jax.memory import aot, planner
 from tests.paths import REPO
 
 LENGTHS = planner.Lengths(prompt_tokens=24, vision_tokens=4, response_tokens=3)

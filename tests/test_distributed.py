@@ -1,4 +1,5 @@
-"""rollplex_jax.distributed: detection of multi-process settings (flags, SLURM environment, host lists) and a real
+"""rollplex_jax.parallel.distributed: detection of multi-process settings (flags, SLURM environment, host
+lists) and a real
 2-process jax.distributed run (2 processes x 2 fake CPU devices, gloo collectives) over one global mesh."""
 
 import json
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from rollplex_jax.distributed import DistributedError, DistributedSpec, default_port, detect, expand_hostlist
+from rollplex_jax.parallel.distributed import DistributedError, DistributedSpec, default_port, detect, expand_hostlist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "slurm", "psum_check.py")

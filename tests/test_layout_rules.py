@@ -5,6 +5,10 @@
   interpreter loads no ``jax`` or ``rollplex_jax`` module (a real import, so a transitive import counts);
 - the library (``rollplex_jax``, ``rollout_torch``, ``rollplex_contract``) never imports ``launch`` (entry
   points), checked on every import statement, function-level ones included;
+- inside ``rollplex_jax`` the parts are layered (``LAYERS``, top to bottom: the run loop, one RL step, the
+  simulator, memory, weight sharing, programs, devices and processes, models, RL math, data, config, then the
+  few modules kept at the top): a module imports only its own part or parts below it, so ``models/`` knows no
+  RL, ``rl/`` no model, nothing below ``run/`` the loop; at most 6 modules sit directly in ``rollplex_jax/``;
 - livable modules: every module opens with a docstring, no function is over 80 lines, no file over 500.
 """
 
@@ -46,6 +50,49 @@ def _imports(path: pathlib.Path) -> set[str]:
 def test_imports_point_one_way(package, forbidden):
     bad = {str(p.relative_to(REPO)): sorted(_imports(p) & forbidden) for p in _modules(package)}
     assert not {k: v for k, v in bad.items() if v}
+
+
+#: ``rollplex_jax``'s parts, top to bottom (ARCHITECTURE.md "Layout"); "" = the modules directly in the package.
+LAYERS = ("run", "step", "sim", "memory", "weights", "programs", "parallel", "models", "rl", "data", "config", "")
+
+
+def _part(module: str) -> str | None:
+    """The part of ``rollplex_jax`` a dotted module name lies in (None outside the package)."""
+    parts = module.split(".")
+    if parts[0] != "rollplex_jax":
+        return None
+    return parts[1] if len(parts) > 1 and (REPO / "rollplex_jax" / parts[1]).is_dir() else ""
+
+
+def _part_imports(path: pathlib.Path) -> set[str]:
+    """The parts of ``rollplex_jax`` that ``path`` imports (``from rollplex_jax import x``: x's part)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {_part(a.name) for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "rollplex_jax":
+                out |= {_part(f"rollplex_jax.{a.name}") for a in node.names}
+            else:
+                out.add(_part(node.module))
+    return out - {None}
+
+
+def test_parts_import_downward_only():
+    assert {_part(f"rollplex_jax.{p.name}") for p in (REPO / "rollplex_jax").iterdir()
+            if p.is_dir() and (p / "__init__.py").exists()} <= set(LAYERS), "a new part: place it in LAYERS"
+    bad = []
+    for p in _modules("rollplex_jax"):
+        mine = _part(".".join(p.relative_to(REPO).with_suffix("").parts))
+        for other in _part_imports(p) - {mine}:
+            if LAYERS.index(other) < LAYERS.index(mine):
+                bad.append(f"{p.relative_to(REPO)} ({mine or 'top'}) imports {other or 'a top module'}, above it")
+    assert not bad, "\n".join(bad)
+
+
+def test_few_modules_directly_in_the_package():
+    top = sorted(p.name for p in (REPO / "rollplex_jax").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 6, top
 
 
 def test_importing_rollout_torch_loads_no_jax():

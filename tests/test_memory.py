@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from launch.api import runner_from_flagfile
-from rollplex_jax import memory, rollplex_ops, step_ops
 from rollplex_jax.config import (
     Config,
     DataConfig,
@@ -21,35 +20,39 @@ from rollplex_jax.config import (
     RolloutConfig,
     RunConfig,
 )
-from rollplex_jax.memory_classes import CLASSES, PHASES
+from rollplex_jax.memory import meter as meter_lib
+from rollplex_jax.memory.classes import CLASSES, PHASES
 from rollplex_jax.models.qwen2_5_vl.params import params_sha256
-from rollplex_jax.runner import Runner
+from rollplex_jax.parallel import memory_kinds
+from rollplex_jax.run.runner import Runner
+from rollplex_jax.step import ops as step_ops
+from rollplex_jax.step import rollplex_ops
 from tests.paths import REPO
 
 
 def test_device_bytes_counts_each_buffer_once_and_skips_host_memory():
     a = jnp.ones((256,), jnp.float32)
-    assert memory.device_bytes({"x": a, "y": a, "z": [a]}) == 1024
-    host = memory.to_host(a)
-    assert host.sharding.memory_kind == "pinned_host" and memory.device_bytes(host) == 0
-    back = memory.to_device(host)
+    assert meter_lib.device_bytes({"x": a, "y": a, "z": [a]}) == 1024
+    host = memory_kinds.to_host(a)
+    assert host.sharding.memory_kind == "pinned_host" and meter_lib.device_bytes(host) == 0
+    back = memory_kinds.to_device(host)
     np.testing.assert_array_equal(np.asarray(back), np.asarray(a))
-    assert memory.device_bytes(back) == 1024
+    assert meter_lib.device_bytes(back) == 1024
 
 
 def test_live_by_class_attributes_named_arrays_and_counts_the_rest_as_other():
     w = jnp.ones((1000,), jnp.float32)
     g = jnp.zeros((500,), jnp.float32)
     stray = jnp.arange(300, dtype=jnp.float32)
-    out, rest = memory.live_by_class({"compute_weights": {"w": w}, "gradients": (g,)})
+    out, rest = meter_lib.live_by_class({"compute_weights": {"w": w}, "gradients": (g,)})
     assert out["compute_weights"] == 4000 and out["gradients"] == 2000
     assert rest >= stray.nbytes  # every other live array, reported apart
     with pytest.raises(KeyError, match="unknown buffer class"):
-        memory.live_by_class({"weights": w})
+        meter_lib.live_by_class({"weights": w})
 
 
 def test_meter_peak_is_the_largest_snapshot_plus_program_temps():
-    meter = memory.MemoryMeter()
+    meter = meter_lib.MemoryMeter()
     f = meter.track(jax.jit(lambda x: jnp.sort(jnp.tanh(x) * 2.0)[::-1] + x.sum()), "train", "f")
     x = jnp.ones((4096,), jnp.float32)
     y = f(x)
@@ -119,8 +122,8 @@ def test_offloaded_optimizer_state_lives_on_the_device_only_during_the_update(tm
         runs[policy] = (list(r.run()), params_sha256(r.state.params), r)
     (res, res_sha, r_res), (off, off_sha, r_off) = runs["resident"], runs["offload"]
     assert off_sha == res_sha
-    opt_bytes = memory.device_bytes(r_res.state.opt_state)
-    assert opt_bytes > 0 and memory.device_bytes(r_off.state.opt_state) == 0
+    opt_bytes = meter_lib.device_bytes(r_res.state.opt_state)
+    assert opt_bytes > 0 and meter_lib.device_bytes(r_off.state.opt_state) == 0
     for m_res, m_off in zip(res, off, strict=True):
         assert m_res["memory/rollout/optimizer_state_bytes"] == opt_bytes
         for phase in ("rollout", "score", "train"):
@@ -149,7 +152,7 @@ def test_offloaded_run_checkpoints_and_resumes_to_the_same_params(tmp_path):
     first.checkpointer.wait()
     first.close()
     again = Runner(dataclasses.replace(cut, run=dataclasses.replace(cut.run, resume=True)))
-    assert again.step == 1 and memory.device_bytes(again.state.opt_state) == 0
+    assert again.step == 1 and meter_lib.device_bytes(again.state.opt_state) == 0
     list(again.run())
     assert params_sha256(again.state.params) == want
     again.close()
@@ -175,8 +178,8 @@ def test_planner_predicts_the_measured_peak_of_every_phase_within_15_percent(tmp
 
 
 def test_hbm_budget_forces_offload_or_refuses_naming_the_smallest_budget(tmp_path):
-    from rollplex_jax import planner
     from rollplex_jax.config import ConfigError
+    from rollplex_jax.memory import planner
 
     probe = _demo_runner(tmp_path, "probe")
     peaks = {p: planner.plan(probe.cfg, probe.lengths, 1,
@@ -200,8 +203,8 @@ def test_hbm_budget_forces_offload_or_refuses_naming_the_smallest_budget(tmp_pat
 def test_hbm_budget_on_a_mesh_plans_per_device(tmp_path):
     """On fsdp 2 x tp 2 the budget is per device: the planner is asked about the 4-device mesh (it used to be
     asked about one device and refused the mesh), and a budget between its two per-device peaks offloads."""
-    from rollplex_jax import planner
     from rollplex_jax.config import MeshConfig
+    from rollplex_jax.memory import planner
 
     mesh = dict(train_fsdp=2, train_tp=2)
     probe = _demo_runner(tmp_path, "probe4", **mesh)

@@ -10,7 +10,7 @@ from launch import flags as launch_flags  # noqa: F401  (imported before the sna
 from launch.api import config_from_flagfile, runner_from_flagfile
 from rollplex_jax.config import ConfigError
 from rollplex_jax.models.qwen2_5_vl.params import params_sha256
-from rollplex_jax.outputs import read_metrics
+from rollplex_jax.run.outputs import read_metrics
 from tests.paths import REPO
 from tests.reward_fns import length_parity
 
@@ -120,7 +120,7 @@ def test_plot_helpers_and_readme_figures(tmp_path):
     from matplotlib.figure import Figure
 
     from launch.readme_figures import spans_from_chrome_trace
-    from rollplex_jax import outputs
+    from rollplex_jax.run import outputs
     from rollplex_jax.trace import Tracer, write_chrome_trace
 
     rows = [{"step": i + 1, "reward/mean": min(1.0, i / 10), "skipped_steps/no_signal": float(i == 0)}

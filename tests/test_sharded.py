@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 
 from launch.api import runner_from_flagfile
-from rollplex_jax import mesh as mesh_lib
-from rollplex_jax import scheduler
 from rollplex_jax.config import MeshConfig, ModelConfig
 from rollplex_jax.data.dataset import collate
 from rollplex_jax.models.qwen2_5_vl.fused import to_hf
+from rollplex_jax.parallel import mesh as mesh_lib
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.rl import losses
+from rollplex_jax.step import rl_step
 from tests.equivalence import assert_same_gradients, assert_same_updates
 
 STEPS, LR = 2, 5e-4
@@ -102,7 +102,7 @@ def test_sharded_gradient_equals_single_device(tmp_path_factory, fsdp, tp):
     one = _runner(tmp_path_factory, "serial", 1, 1)
     many = _runner(tmp_path_factory, "serial", fsdp, tp)
     prompts = collate(one.train_set[:2], 0)
-    ro = scheduler.sample(one.ctx, one.state.params, prompts, n=4, seed=3)
+    ro = rl_step.sample(one.ctx, one.state.params, prompts, n=4, seed=3)
     b, g, tr = ro.response_ids.shape
     w = losses.token_weights(jax.numpy.asarray(ro.mask.reshape(b * g, tr)), "token-mean")
     adv = jax.numpy.asarray(np.random.default_rng(0).standard_normal(b * g), jax.numpy.float32)

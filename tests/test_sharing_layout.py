@@ -19,13 +19,13 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rollout_torch.weights import ShardedBinder
-from rollplex_jax import engine_layouts as EL
-from rollplex_jax import mesh as M
-from rollplex_jax import sharing as S
 from rollplex_jax.config import MeshConfig, ModelConfig, tiny_model_config
 from rollplex_jax.models.qwen2_5_vl.fused import param_layout, to_hf
 from rollplex_jax.models.qwen2_5_vl.names import normalize_name
 from rollplex_jax.models.qwen2_5_vl.params import init_params, param_specs
+from rollplex_jax.parallel import mesh as M
+from rollplex_jax.weights import engine_layouts as EL
+from rollplex_jax.weights import sharing as S
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -380,7 +380,7 @@ def test_hf_engine_binds_fsdp_sharded_params():
 EIGHT = textwrap.dedent("""
     import jax, numpy as np
     from rollout_torch.weights import ShardedBinder
-    from rollplex_jax import sharing as S
+    from rollplex_jax.weights import sharing as S
     from rollplex_jax.config import MeshConfig
     from rollplex_jax.models.qwen2_5_vl.params import init_params
     from tests.test_sharing_layout import _cfg, _laid, _place, check_binding

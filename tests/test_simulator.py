@@ -8,7 +8,9 @@ import sys
 import pytest
 from absl import flags
 
-from rollplex_jax import hardware, planner, simulator
+from rollplex_jax import sim as simulator
+from rollplex_jax.memory import planner
+from rollplex_jax.sim import hardware
 from tests.paths import REPO
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from launch.api import runner_from_flagfile
 from rollplex_contract.batch import Prompts, Rollouts
-from rollplex_jax import step_metrics
 from rollplex_jax.config import tiny_model_config
+from rollplex_jax.step import metrics as step_metrics
 from tests import reward_fns
 from tests.test_runner_api import TINY
 

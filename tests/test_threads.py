@@ -1,12 +1,13 @@
-"""The default torch thread count of a CPU rollout (rollplex_jax/threads.py, run_setup.make_engine)."""
+"""The default torch thread count of a CPU rollout (rollplex_jax/parallel/threads.py, run_setup.make_engine)."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from rollplex_jax import run_setup, threads
 from rollplex_jax.config import Config
+from rollplex_jax.parallel import threads
+from rollplex_jax.run import setup as run_setup
 
 
 def test_default_rule_is_half_the_cores_at_least_one():

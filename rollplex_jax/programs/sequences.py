@@ -123,3 +123,26 @@ def vision_token_rows(cfg: ModelConfig, prompts: Prompts, rows) -> np.ndarray:
         out += [np.arange(starts[i], starts[i + 1]) for r in np.asarray(rows, np.int64) for i in owner[r]]
         offset = int(starts[-1])
     return np.concatenate(out) if out else np.zeros((0,), np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One micro-batch: answers [a0, a1) of each prefix row in [p0, p1)."""
+
+    p0: int
+    p1: int
+    a0: int
+    a1: int
+
+    @property
+    def index(self):
+        return slice(self.p0, self.p1), slice(self.a0, self.a1)
+
+
+def answer_blocks(p0: int, p1: int, n: int, micro_batch: int) -> list[Block]:
+    """Micro-batches of at most ``micro_batch`` answers over prefix rows [p0, p1) of ``n`` answers each, in
+    answer-row order (row p, answer a = flat row p * n + a): whole prefix rows, or a row's answers in chunks."""
+    if micro_batch >= n:
+        per = micro_batch // n
+        return [Block(r, min(r + per, p1), 0, n) for r in range(p0, p1, per)]
+    return [Block(r, r + 1, a, min(a + micro_batch, n)) for r in range(p0, p1) for a in range(0, n, micro_batch)]

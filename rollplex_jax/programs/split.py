@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 
 from rollplex_jax.config import ModelConfig, ProgramConfig, RlConfig
-from rollplex_jax.mesh import constrain_like_params
 from rollplex_jax.models.qwen2_5_vl.layers import compiler_options, fsdp_size
 from rollplex_jax.models.qwen2_5_vl.model import (
     ModelInputs,
@@ -53,6 +52,7 @@ from rollplex_jax.models.qwen2_5_vl.model import (
     suffix_forward,
     suffix_logprobs,
 )
+from rollplex_jax.parallel.mesh import constrain_like_params
 from rollplex_jax.programs.actor import objective
 
 

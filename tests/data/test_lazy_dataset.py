@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from rollplex_jax import multihost
 from rollplex_jax.config import VisionConfig
 from rollplex_jax.data import dataset as D
 from rollplex_jax.data import image_processing
 from rollplex_jax.data.image_cache import PatchCache
 from rollplex_jax.data.synthetic import write_dataset
 from rollplex_jax.data.tokenizer import TinyTokenizer
+from rollplex_jax.parallel import multihost
 from tests.data.eager_reference import eager_collate, eager_load
 
 VISION = VisionConfig()  # patch 14, merge 2, temporal 2

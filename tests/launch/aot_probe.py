@@ -13,7 +13,7 @@ import dataclasses
 import json
 
 from launch.api import config_from_flagfile
-from rollplex_jax import aot, planner
+from rollplex_jax.memory import aot, planner
 
 GiB = 2**30
 

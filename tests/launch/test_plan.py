@@ -1,4 +1,4 @@
-"""rollplex_jax.planner and launch.plan: the residual formula against the real program, parameter counts,
+"""rollplex_jax.memory.planner and launch.plan: the residual formula against the real program, parameter counts,
 the flagfiles, the CLI's JSON line, the optimizer policy choice, the budget error, the weight-sharing floor
 and the megatron_vllm baseline preset (issue 20)."""
 
@@ -15,9 +15,9 @@ import pytest
 from absl import flags
 
 from launch import flags as launch_flags
-from rollplex_jax import planner
 from rollplex_jax.config import Config, ModelConfig, ProgramConfig, parse_bytes, tiny_model_config
-from rollplex_jax.memory_classes import CLASSES, PHASES
+from rollplex_jax.memory import planner
+from rollplex_jax.memory.classes import CLASSES, PHASES
 from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.models.qwen2_5_vl.params import count_params, init_params, param_shapes
 from rollplex_jax.programs.split import ResidualPrefix
@@ -304,7 +304,7 @@ def test_megatron_vllm_baseline_classes_add_up():
 
 
 def test_megatron_vllm_sweep_names_the_largest_move():
-    from rollplex_jax.planner import baseline
+    from rollplex_jax.memory.planner import baseline
 
     cfg, lengths, devices = _32b()
     rows = baseline.sweep(cfg, lengths, devices)

@@ -6,9 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from rollplex_jax import memory
 from rollplex_jax.config import OptimConfig, tiny_model_config
+from rollplex_jax.memory import meter as meter_lib
 from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.parallel import memory_kinds
 from rollplex_jax.programs.optimizer import ChunkedOptimizer, chunk_names
 
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.5)
@@ -53,7 +54,7 @@ def test_chunked_and_offloaded_updates_equal_the_unchunked_one(params):
     # Between updates the offloaded state is in host memory: no device bytes at all.
     kinds = {a.sharding.memory_kind for a in jax.tree.leaves(state)}
     assert kinds == {"pinned_host"}
-    assert memory.device_bytes(state) == 0
+    assert meter_lib.device_bytes(state) == 0
 
 
 def test_matches_optax_adamw_with_global_clipping(params):
@@ -79,9 +80,9 @@ def test_bf16_compute_weights_are_cast_from_fp32_master_weights(params):
     assert sorted(master) == sorted(params)
     for k, v in master.items():
         assert v.dtype == jnp.float32 and out[k].dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(jnp.asarray(memory.to_device(v)).astype(jnp.bfloat16)), out[k])
+        np.testing.assert_array_equal(np.asarray(jnp.asarray(memory_kinds.to_device(v)).astype(jnp.bfloat16)), out[k])
     # The master weights moved by more than bf16 rounding: updates accumulate in fp32.
-    moved = max(float(jnp.max(jnp.abs(memory.to_device(master[k]) - params[k]))) for k in master)
+    moved = max(float(jnp.max(jnp.abs(memory_kinds.to_device(master[k]) - params[k]))) for k in master)
     assert moved > 1e-3
 
 
@@ -102,5 +103,5 @@ def test_nonfinite_gradient_leaves_params_and_state_unchanged(params):
     assert not bool(m["update_ok"])
     for k, v in params.items():
         np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(v))
-    counts = [int(memory.to_device(c[0].count)) for c in new_state.chunks]
+    counts = [int(memory_kinds.to_device(c[0].count)) for c in new_state.chunks]
     assert counts == [0, 0]

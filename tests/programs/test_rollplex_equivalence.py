@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from rollplex_contract.batch import Prompts
-from rollplex_jax import rollplex_ops, scheduler
 from rollplex_jax.config import (
     Config,
     DataConfig,
@@ -37,7 +36,8 @@ from rollplex_jax.data.video_sampling import VideoRule
 from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.rl import losses
-from rollplex_jax.runner import Runner
+from rollplex_jax.run.runner import Runner
+from rollplex_jax.step import rl_step, rollplex_ops
 from tests.equivalence import assert_same_updates
 from tests.hf_reference import mm_inputs
 from tests.paths import REPO
@@ -138,7 +138,7 @@ def _video_prompts(cfg: ModelConfig, tmp_path) -> Prompts:
 def _steps(cfg, prompts, n=2):
     """``n`` steps of ``cfg``'s schedule on the same prompts; (metrics, final params)."""
     r = Runner(cfg)
-    step_fn = scheduler.rollplex_step if cfg.run.schedule == "rollplex" else scheduler.serial_step
+    step_fn = rl_step.rollplex_step if cfg.run.schedule == "rollplex" else rl_step.serial_step
     metrics = []
     for step in range(n):
         with r.mesh_scope():
@@ -203,7 +203,7 @@ def test_serial_rows_of_a_short_prompt_pack(tmp_path):
     cfg = _config(tmp_path, "s")
     prompts = _mixed_prompts(cfg.model)
     r = Runner(cfg)
-    ro = scheduler.sample(r.ctx, r.state.params, prompts, n=4, seed=1)
+    ro = rl_step.sample(r.ctx, r.state.params, prompts, n=4, seed=1)
     r.close()
     mbs = micro_batches(cfg.model, prompts, ro, 4, pack=True)
     assert [mb.inputs.packing is not None for mb in mbs] == [False, True, False]
@@ -224,7 +224,7 @@ def test_split_gradient_equals_full_gradient(tmp_path, micro):
     cfg = _config(tmp_path, "g", schedule="rollplex", micro=micro)
     r = Runner(cfg)
     prompts = collate(r.train_set[:2], 0)
-    ro = scheduler.sample(r.ctx, r.state.params, prompts, n=4, seed=1)
+    ro = rl_step.sample(r.ctx, r.state.params, prompts, n=4, seed=1)
     rng = np.random.default_rng(0)
     b, g, tr = ro.response_ids.shape
     ids = rng.integers(8, 31, size=(b, g, tr))

@@ -7,14 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollplex_jax import scheduler
 from rollplex_jax.config import Config, DataConfig, ModelConfig, OptimConfig, RlConfig, RolloutConfig, RunConfig
 from rollplex_jax.models.qwen2_5_vl.params import init_params, params_sha256
 from rollplex_jax.programs.actor import make_programs
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.rl import losses
 from rollplex_jax.rl.rewards import RewardError
-from rollplex_jax.runner import Runner
+from rollplex_jax.run.runner import Runner
+from rollplex_jax.step import rl_step
 from tests.paths import REPO
 
 
@@ -32,9 +32,9 @@ def small_config(tmp_path, **rl) -> Config:
 
 def test_should_update():
     adv = jnp.array([[1.0, -1.0], [0.0, 0.0]])
-    assert scheduler.should_update(adv, np.array([[2, 3], [1, 1]]))
-    assert not scheduler.should_update(jnp.zeros((2, 2)), np.array([[2, 3], [1, 1]]))
-    assert not scheduler.should_update(adv, np.array([[0, 0], [1, 1]]))  # the answers with signal are empty
+    assert rl_step.should_update(adv, np.array([[2, 3], [1, 1]]))
+    assert not rl_step.should_update(jnp.zeros((2, 2)), np.array([[2, 3], [1, 1]]))
+    assert not rl_step.should_update(adv, np.array([[0, 0], [1, 1]]))  # the answers with signal are empty
 
 
 def test_nonfinite_gradient_skips_the_update():
@@ -67,7 +67,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tmp_path):
     cfg = small_config(tmp_path)
     r = Runner(cfg)
     prompts = __import__("rollplex_jax.data.dataset", fromlist=["collate"]).collate(r.train_set[:4], 0)
-    ro = scheduler.sample(r.ctx, r.state.params, prompts, n=4, seed=0)
+    ro = rl_step.sample(r.ctx, r.state.params, prompts, n=4, seed=0)
     b, g, tr = ro.response_ids.shape
     mask = jnp.asarray(ro.mask.reshape(b * g, tr))
     weights = losses.token_weights(mask, "token-mean")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rollplex_jax import mesh as mesh_lib
 from rollplex_jax.config import MeshConfig
+from rollplex_jax.parallel import mesh as mesh_lib
 from rollplex_jax.programs import split
 
 L, B, T, K, D = 2, 4, 3, 2, 4

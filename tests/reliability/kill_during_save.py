@@ -14,7 +14,7 @@ from absl import app
 
 from launch import flags as launch_flags
 from launch import main as launch_main
-from rollplex_jax.runner import Runner
+from rollplex_jax.run.runner import Runner
 
 
 def kill_during_save(step: int) -> None:

@@ -21,14 +21,14 @@ import pytest
 from PIL import Image
 
 from rollplex_contract.batch import Rollouts
-from rollplex_jax import scheduler
 from rollplex_jax.config import Config, DataConfig, ModelConfig, OptimConfig, RlConfig, RolloutConfig, RunConfig
 from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer, TokenizerError
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import CheckpointError, save_hf_checkpoint
 from rollplex_jax.models.qwen2_5_vl.params import init_params, params_sha256
 from rollplex_jax.rl import advantages as adv_lib
 from rollplex_jax.rl.rewards import exact_match
-from rollplex_jax.runner import Runner
+from rollplex_jax.run.runner import Runner
+from rollplex_jax.step import rl_step
 from tests.paths import REPO
 
 DEMO = REPO / "configs" / "models" / "demo.json"
@@ -265,12 +265,12 @@ def test_empty_answers_decode_to_nothing_score_zero_and_do_not_update(tmp_path):
     ro = Rollouts(response_ids=np.array([[[eos, pad], [pad, pad], [red, eos], [red, pad]]]),
                   lengths=np.array([[1, 0, 2, 1]]), finish_reasons=[["stop", "length", "stop", "length"]],
                   logprobs=np.zeros((1, 4, 2), np.float32))
-    texts = scheduler.response_texts(ro, tok.decode, (eos,))
+    texts = rl_step.response_texts(ro, tok.decode, (eos,))
     assert texts == [["", "", "red", "red"]]
     assert [exact_match(t, "red") for t in texts[0]] == [0.0, 0.0, 1.0, 1.0]
     # Rewards that differ but only on answers without tokens: nothing to learn from.
-    assert not scheduler.should_update(jnp.array([[1.0, -1.0]]), np.array([[0, 0]]))
-    assert scheduler.should_update(jnp.array([[1.0, -1.0]]), np.array([[0, 1]]))
+    assert not rl_step.should_update(jnp.array([[1.0, -1.0]]), np.array([[0, 0]]))
+    assert rl_step.should_update(jnp.array([[1.0, -1.0]]), np.array([[0, 1]]))
 
     # A real rollout where every answer is only EOS: plant a huge constant feature in the embedding
     # (so the final hidden state always points along it) and have EOS's output row read it.
@@ -286,7 +286,7 @@ def test_empty_answers_decode_to_nothing_score_zero_and_do_not_update(tmp_path):
     assert r.last.texts == [[""] * 4] * 2
     assert m["reward/mean"] == 0.0 and m["reward/failures"] == 0.0
     assert m["response_length/mean"] == 1.0 and m["response/stop_frac"] == 1.0
-    assert not scheduler.should_update(adv_lib.compute_advantages(jnp.asarray(r.last.rewards), "grpo"), got.lengths)
+    assert not rl_step.should_update(adv_lib.compute_advantages(jnp.asarray(r.last.rewards), "grpo"), got.lengths)
     assert m["skipped_steps/no_signal"] == 1.0
     assert _bit_identical(before, r.state.params)
     r.close()

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rollplex_jax.checkpoint import Checkpointer
 from rollplex_jax.config import (
     CheckpointConfig,
     Config,
@@ -28,7 +27,8 @@ from rollplex_jax.config import (
     RunConfig,
 )
 from rollplex_jax.models.qwen2_5_vl.params import init_params
-from rollplex_jax.runner import Runner
+from rollplex_jax.run.checkpoint import Checkpointer
+from rollplex_jax.run.runner import Runner
 from tests.paths import REPO
 
 KEYS = ("reward/mean", "loss", "kl", "grad_norm", "skipped_steps/no_signal")

@@ -22,7 +22,7 @@ from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.models.qwen2_5_vl.fused import to_hf
 from rollplex_jax.models.qwen2_5_vl.names import normalize_name
 from rollplex_jax.models.qwen2_5_vl.params import init_params
-from rollplex_jax.sharing import WeightPublisher, donated
+from rollplex_jax.weights.sharing import WeightPublisher, donated
 from tests.hf_reference import mm_inputs
 
 ROWS = [[5, 6, ("image", (1, 8, 8)), 7], [10, ("image", (1, 4, 6)), 11, ("video", (2, 4, 4)), 12, 13], [20, 21]]

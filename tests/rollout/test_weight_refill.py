@@ -13,13 +13,13 @@ import pytest
 
 from rollout_torch.hf_engine import HFEngine
 from rollout_torch.weights import ShardedBinder
-from rollplex_jax import mesh as M
 from rollplex_jax.config import MeshConfig, tiny_model_config
 from rollplex_jax.models.qwen2_5_vl.fused import to_hf
 from rollplex_jax.models.qwen2_5_vl.names import normalize_name
 from rollplex_jax.models.qwen2_5_vl.params import init_params
-from rollplex_jax.sharing import WeightPublisher
+from rollplex_jax.parallel import mesh as M
 from rollplex_jax.trace import Tracer
+from rollplex_jax.weights.sharing import WeightPublisher
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake) devices: XLA_FLAGS as the Makefile")
 
@@ -106,7 +106,7 @@ def test_a_sharding_spelled_another_way_is_the_same_layout():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from rollplex_jax.sharing import _layout_equal, _layout_key
+    from rollplex_jax.weights.sharing import _layout_equal, _layout_key
 
     mesh = M.train_mesh(MeshConfig(train_fsdp=4))
     x = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("fsdp")))

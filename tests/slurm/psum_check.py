@@ -1,4 +1,4 @@
-"""One process of a multi-process JAX check: start jax.distributed (rollplex_jax.distributed), build one global
+"""One process of a multi-process JAX check: start jax.distributed (rollplex_jax.parallel.distributed), build one global
 mesh over every process's devices, make a global array from per-process data, reduce it with a jitted sum and a
 shard_map psum across processes, print one JSON line.
 
@@ -24,7 +24,7 @@ def main() -> int:
     parser.add_argument("--timeout_s", type=int, default=60)
     args = parser.parse_args()
 
-    from rollplex_jax import distributed
+    from rollplex_jax.parallel import distributed
 
     spec = distributed.detect(args.coordinator_address, args.num_processes, args.process_id)
     index, count = distributed.initialize(spec, timeout_s=args.timeout_s)

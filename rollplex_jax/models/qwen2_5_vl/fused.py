@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from rollplex_jax.model_config import ModelConfig
+from rollplex_jax.config.model import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,400 @@
+"""XLA's own bytes for a run's real programs at a config's shapes, compiled ahead of time without allocating.
+
+``compiled_memory(cfg, lengths)`` builds every program one step of ``cfg.run.schedule`` runs (the same
+builders the runner uses: ``programs.actor.make_programs``, ``programs.split.make_split_programs``, the
+optimizer), lowers each on ``jax.ShapeDtypeStruct`` inputs with the training mesh's shardings and
+compiles it on the backend present (CPU works for any size: nothing is allocated), and reads
+``compiled.memory_analysis()`` per device: temp, argument, output and alias bytes (total = temp +
+arguments + outputs - aliases; on CPU ``peak_memory_in_bytes`` is only arguments + outputs, SCALE.md).
+
+Per phase, what a device holds while the phase's largest program runs: that program's total, plus the
+phase's other live state that is not among its arguments (optimizer state during training, the
+reference weights, residuals kept for later, ...), computed exactly from the abstract shapes and
+shardings. ``launch.plan --compile`` prints both beside the planner's figures (``planned_vs_compiled``).
+The torch engine's KV cache and working set are not JAX programs: they stay the planner's.
+
+On CPU, XLA rewrites every 16-bit matmul to float32 (its dot emitter has no bfloat16 kernel: the
+``float-normalization-bf16`` and ``change-op-data-type`` passes insert converts), and the converted weights
+then live as fp32 temporaries: a bfloat16 Qwen2.5-VL-3B prefix forward compiled as is shows +0.29 GiB of
+temp per decoder layer (an fp32 copy of the layer's weights; flat in depth in float32), 56 GiB for the
+whole prefix, none of which a GPU allocates (its bf16 GEMMs are native). So on CPU a bfloat16 model is
+compiled as float16 (the same two bytes per element in every buffer; the CPU dot emitter takes f16) with
+``change-op-data-type`` disabled (``CPU_STANDIN``): the buffers are those of a 16-bit program. It is a
+stand-in for memory analysis only: such programs are compiled, never run. On a mesh, XLA's CPU pipeline
+also combines the all-reduces of every layer's weight gradient into one (``cpu-all-reduce-combiner``), so
+all layers' unreduced gradients are live at once: measured at 3B on 8 fake devices, the prefix vjp's
+temp grows 0.26 GiB per decoder layer with it and is flat without it; GPU combiners are bounded by a
+byte threshold. CPU compiles run without it. ``Compiled.note`` says what was changed.
+
+Inputs are the worst case the planner assumes (``planner.Lengths``): every row ``prompt_tokens`` long
+(no padding), one image of ``vision_tokens`` merged tokens per prompt (or a video), answers of
+``response_tokens``; micro-batches of ``--micro_batch`` answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rollplex_jax.config import Config
+from rollplex_jax.models.qwen2_5_vl import rope
+from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
+from rollplex_jax.models.qwen2_5_vl.model import ModelInputs
+from rollplex_jax.models.qwen2_5_vl.params import param_shapes
+from rollplex_jax.parallel import mesh as mesh_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramBytes:
+    """One compiled program's per-device bytes (``memory_analysis``)."""
+
+    temp: int
+    argument: int
+    output: int
+    alias: int
+
+    @property
+    def total(self) -> int:
+        return self.temp + self.argument + self.output - self.alias
+
+    def to_dict(self) -> dict:
+        return {"temp_bytes": self.temp, "argument_bytes": self.argument, "output_bytes": self.output,
+                "alias_bytes": self.alias, "total_bytes": self.total}
+
+
+CPU_STANDIN = {"bfloat16": "float16"}  # model dtype -> the dtype its programs compile as on CPU (module doc)
+CPU_COMBINER = "cpu-all-reduce-combiner"  # disabled in CPU compiles on a mesh (module doc)
+
+
+def compile_setup(cfg: Config) -> tuple[Config, dict | None, str]:
+    """(the config to compile, extra XLA options, a note): on CPU without the all-reduce combiner, and a
+    bfloat16 model as float16 with the pass that upcasts 16-bit dots disabled (module doc); elsewhere the
+    config as it is."""
+    if jax.default_backend() != "cpu":
+        return cfg, None, f"compiled as {cfg.model.dtype} on {jax.default_backend()}"
+    passes = [(compiler_options(cfg.programs.remat) or {}).get("xla_disable_hlo_passes"), CPU_COMBINER]
+    note = ["compiled on cpu without its all-reduce combiner (it merges every layer's gradient all-reduce "
+            "into one, keeping all of them live)"]
+    if cfg.model.dtype in CPU_STANDIN:
+        stand_in = CPU_STANDIN[cfg.model.dtype]
+        passes.append("change-op-data-type")
+        note.append(f"{cfg.model.dtype} compiled as {stand_in} (same bytes per element; XLA's CPU backend "
+                    "otherwise upcasts 16-bit matmuls to fp32, which a GPU does not)")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=stand_in))
+    return cfg, {"xla_disable_hlo_passes": ",".join(filter(None, passes))}, "; ".join(note)
+
+
+def device_bytes(tree) -> int:
+    """Per-device bytes of a pytree of ShapeDtypeStructs (the largest shard of each, by its sharding)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+class Abstract:
+    """Abstract (ShapeDtypeStruct) params, optimizer state and inputs on the training mesh."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        m = cfg.mesh
+        devices = jax.devices()
+        if len(devices) < m.train_devices:  # e.g. one GPU and an 8-device flagfile: fake CPU devices, if any
+            devices = jax.devices("cpu")
+        if len(devices) < m.train_devices:
+            raise ValueError(f"compiling for {m.train_devices} devices needs as many visible ones (on CPU: XLA_FLAGS="
+                             f"--xla_force_host_platform_device_count={m.train_devices} before JAX starts)")
+        self.mesh = mesh_lib.train_mesh(m, devices[:m.train_devices]) if m.train_devices > 1 else None
+        self.replicated = NamedSharding(self.mesh, PartitionSpec()) if self.mesh is not None else None
+        shapes = param_shapes(cfg.model)
+        shard = mesh_lib.param_shardings(cfg.model, self.mesh) if self.mesh is not None else {}
+        self.params = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard.get(k)) for k, s in shapes.items()}
+        self.shardings = shard
+
+    def like_params(self, tree):
+        """``tree`` (from ``jax.eval_shape``) with each leaf sharded as the parameter in its path."""
+        def leaf(path, x):
+            names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and k.key in self.params]
+            s = self.params[names[-1]].sharding if names and x.shape == self.params[names[-1]].shape \
+                else self.replicated
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        return jax.tree_util.tree_map_with_path(leaf, tree)
+
+    def array(self, shape, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=self.replicated)
+
+    def inputs(self, rows: int, prompt_tokens: int, vision_tokens: int, response_tokens: int = 0,
+               frames: int = 0) -> ModelInputs:
+        """``rows`` unpadded rows of ``prompt_tokens`` (one image or video of ``vision_tokens`` merged tokens
+        each) followed by ``response_tokens`` answer tokens, as abstract ``ModelInputs``."""
+        ids, grids, kind = host_rows(self.cfg, rows, prompt_tokens, vision_tokens, response_tokens, frames)
+        region = np.zeros_like(ids, bool)
+        region[:, :prompt_tokens] = True
+        types = rope.token_types(ids, self.cfg.model, region)
+        mask = np.ones_like(ids)
+        img, vid = (grids, None) if kind == "image" else (None, grids)
+        positions, next_pos = rope.get_rope_index(ids, mask, self.cfg.model, img, vid, None, types)
+        layout = rope.vision_layout(grids, self.cfg.model.vision).arrays(self.cfg.mesh.train_fsdp) \
+            if len(grids) else None
+        a = self.array
+        patches = int(np.prod(grids, -1).sum()) if len(grids) else 0
+        i32 = a(ids.shape, jnp.int32)
+        return ModelInputs(
+            input_ids=i32, attention_mask=i32, token_types=i32,
+            positions=a(positions.shape, positions.dtype), next_position=a(next_pos.shape, next_pos.dtype),
+            pixel_values=None if layout is None else a((patches, self.cfg.model.vision.patch_dim), jnp.float32),
+            layout=None if layout is None else {k: a(np.shape(v), np.asarray(v).dtype) for k, v in layout.items()})
+
+
+def host_rows(cfg: Config, rows: int, prompt_tokens: int, vision_tokens: int, response_tokens: int,
+              frames: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """Token ids [rows, prompt + response] with one vision block of ``vision_tokens`` per row, its grids
+    [rows, 3], and ``image`` or ``video``: a grid whose merged h x w (x t) holds ``vision_tokens``."""
+    m, v = cfg.model, cfg.model.vision
+    merge = v.spatial_merge_size
+    t = max(1, math.ceil(frames / v.temporal_patch_size)) if frames else 1
+    per_frame = max(1, vision_tokens // t) if vision_tokens else 0
+    a = max((d for d in range(1, int(math.isqrt(per_frame)) + 1) if per_frame % d == 0), default=1)
+    grid = np.array([t, a * merge, (per_frame // a) * merge], np.int64) if per_frame else None
+    n_vis = t * per_frame if per_frame else 0
+    if n_vis + 2 > prompt_tokens and n_vis:
+        raise ValueError(f"{n_vis} vision tokens + 2 markers do not fit a prompt of {prompt_tokens} tokens")
+    kind = "video" if frames else "image"
+    pad = m.video_token_id if frames else m.image_token_id
+    row = [m.vision_start_token_id, *([pad] * n_vis), m.vision_end_token_id] if n_vis else []
+    text = [m.bos_token_id] * (prompt_tokens - len(row))
+    ids = np.array([text[:1] + row + text[1:] + [m.eos_token_id] * response_tokens] * rows, np.int64)
+    grids = np.repeat(grid[None], rows, 0) if grid is not None else np.zeros((0, 3), np.int64)
+    return ids, grids, kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """Per-device bytes per program and per phase (``phase_bytes[phase]``: the largest of its programs, each
+    with the phase's live state not among its arguments or outputs added)."""
+
+    programs: dict[str, ProgramBytes]
+    phase_bytes: dict[str, int]
+    phase_program: dict[str, str]
+    live_bytes: dict[str, dict[str, int]]
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"programs": {k: v.to_dict() for k, v in self.programs.items()},
+                "phases": {p: {"bytes": b, "program": self.phase_program[p], "live_bytes": self.live_bytes[p]}
+                           for p, b in self.phase_bytes.items()}, "note": self.note}
+
+
+class _Phases:
+    """Collects programs per phase with the classes each takes or produces."""
+
+    def __init__(self, options: dict | None = None, note: str = ""):
+        self.options, self.note = options, note
+        self.programs: dict[str, ProgramBytes] = {}
+        self.entries: dict[str, list[tuple[str, set[str], int]]] = {}
+        self.live: dict[str, dict[str, int]] = {}
+
+    def add(self, phase: str, name: str, pb: ProgramBytes, uses: set[str], partial: int = 0) -> None:
+        """``uses``: live classes among the program's arguments/outputs; ``partial``: bytes of other live
+        classes it takes only in part (an optimizer chunk)."""
+        self.programs[name] = pb
+        self.entries.setdefault(phase, []).append((name, uses, partial))
+
+    def compile(self, fn, *args):
+        return compile_program(fn, *args, options=self.options)
+
+    def result(self) -> Compiled:
+        phase_bytes, phase_program = {}, {}
+        for phase, live in self.live.items():
+            best = (sum(live.values()), "(no program)")
+            for name, uses, partial in self.entries.get(phase, []):
+                extra = sum(v for k, v in live.items() if k not in uses) - partial
+                best = max(best, (self.programs[name].total + extra, name))
+            phase_bytes[phase], phase_program[phase] = int(best[0]), best[1]
+        return Compiled(self.programs, phase_bytes, phase_program, self.live, self.note)
+
+
+def compile_program(fn, *args, options: dict | None = None):
+    """(per-device bytes, abstract outputs with the compiled program's output shardings); ``options``: XLA
+    options added to the program's own (a later ``xla_disable_hlo_passes`` replaces an earlier one)."""
+    lowered = fn.lower(*args)
+    compiled = lowered.compile(compiler_options=options)
+    a = compiled.memory_analysis()
+    pb = ProgramBytes(int(a.temp_size_in_bytes), int(a.argument_size_in_bytes), int(a.output_size_in_bytes),
+                      int(a.alias_size_in_bytes))
+    outs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), lowered.out_info,
+                        compiled.output_shardings)
+    return pb, outs
+
+
+def optimizer_state(optimizer, params: dict, A: Abstract):
+    """The abstract optimizer state of ``optimizer`` for ``params`` (as ``ChunkedOptimizer.init``, unplaced)."""
+    import optax
+
+    from rollplex_jax.programs.optimizer import OptState, chunk_names
+
+    names = chunk_names(params, optimizer.n_chunks)
+    optimizer.names = names
+    chunks, masters = [], []
+    for group in names:
+        p = {k: params[k] for k in group}
+        fp32 = all(jnp.dtype(v.dtype) == jnp.float32 for v in p.values())
+        master = optax.EmptyState() if fp32 else {k: jax.ShapeDtypeStruct(v.shape, jnp.float32, sharding=v.sharding)
+                                                   for k, v in p.items()}
+        chunks.append(A.like_params(jax.eval_shape(optimizer.tx.init, p if fp32 else master)))
+        masters.append(master)
+    return OptState(tuple(chunks), tuple(masters))
+
+
+def _update_phase(ph: _Phases, optimizer, params, opt, grads, live: dict, offload: bool) -> None:
+    """The optimizer's programs: global-norm clip (its output is the clipped gradients), then one chunk's AdamW
+    (the largest chunk). Offloaded, the optimizer state is on the device only as the chunk that program
+    takes; resident, all of it is live and the chunk is part of it."""
+    pb, (clipped, _, ok) = ph.compile(optimizer._clip, grads)
+    ph.add("update", "clip", pb, {"gradients", "clipped"})
+    sizes = [device_bytes({k: params[k] for k in g}) for g in optimizer.names]
+    i = int(np.argmax(sizes))
+    group = optimizer.names[i]
+    args = ({k: params[k] for k in group}, opt.chunks[i], opt.master[i], {k: clipped[k] for k in group}, ok)
+    pb, _ = ph.compile(optimizer._chunk, *args)
+    live = dict(live, clipped=device_bytes(clipped))
+    ph.live["update"] = live
+    ph.add("update", "update_chunk", pb, set(),
+           partial=device_bytes((args[0], args[3]) if offload else args[:4]))
+
+
+def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int = 0) -> Compiled:
+    """Compiles the programs of one step of ``cfg.run.schedule`` at ``lengths`` (``planner.Lengths``) on the
+    training mesh (which needs ``mesh.train_devices`` visible devices: on CPU, fake ones) and returns their
+    per-device bytes, per program and per phase. ``policy``: where the optimizer state lives (resident on
+    the device in every phase, or offloaded: on it only during the update)."""
+    import contextlib
+
+    from rollplex_jax.programs.actor import make_programs
+
+    cfg, options, note = compile_setup(cfg)
+    A = Abstract(cfg)
+    offload = policy == "offload"
+    progs = make_programs(cfg.model, cfg.rl, cfg.optim, max(cfg.run.steps, 1), offload_optimizer=offload,
+                          optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1, prog=cfg.programs)
+    with jax.set_mesh(A.mesh) if A.mesh is not None else contextlib.nullcontext():
+        opt = optimizer_state(progs.optimizer, A.params, A)
+        base = {"compute_weights": device_bytes(A.params),
+                "ref_weights": device_bytes(A.params) if cfg.rl.uses_reference else 0}
+        resident = {"optimizer_state": device_bytes(opt)}
+        ph = _Phases(options, note)
+        if cfg.run.schedule == "rollplex":
+            _rollplex(ph, cfg, A, progs, lengths, frames, base, {} if offload else resident)
+        else:
+            _serial(ph, cfg, A, progs, lengths, frames, base, {} if offload else resident)
+        grads = A.params
+        other = ph.live["train"].get("other", 0)  # the step's inputs live until the step ends (after its update)
+        _update_phase(ph, progs.optimizer, A.params, opt, grads,
+                      dict(base, **({} if offload else resident), other=other, gradients=device_bytes(grads)), offload)
+    return ph.result()
+
+
+def _serial(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int, base: dict, resident: dict) -> None:
+    """The serial schedule: full (prompt ++ answer) rows, one micro-batch per program call."""
+    Tp, Tv, Tr = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens
+    rows = cfg.rl.batch_prompts * cfg.rollout.group_size
+    mb = min(cfg.rl.micro_batch, rows)
+    inputs = A.inputs(mb, Tp, Tv, Tr, frames)
+    n_mb = math.ceil(rows / mb)
+    other = device_bytes(inputs) * n_mb  # the step's micro-batches are built up front (SerialOps)
+    ids, f32 = A.array((mb, Tr), jnp.int32), A.array((mb, Tr), jnp.float32)
+    ph.live["rollout"] = dict(base, **resident)
+    if cfg.rl.uses_reference:
+        pb, _ = ph.compile(progs.ref_logprobs, A.params, inputs, Tp, ids, A.array((mb, Tr), jnp.int32))
+        ph.add("score", "ref_logprobs", pb, {"ref_weights"}, partial=device_bytes(inputs))
+    ph.live["score"] = dict(base, **resident, other=other)
+    old = f32 if cfg.rl.mini_batches > 1 else None
+    ref = f32 if cfg.rl.uses_reference else None
+    pb, _ = ph.compile(progs.grad, A.params, inputs, Tp, ids, f32, A.array((mb,), jnp.float32), old, ref)
+    ph.add("train", "grad", pb, {"compute_weights"}, partial=device_bytes(inputs))
+    ph.live["train"] = dict(base, **resident, other=other, gradients=device_bytes(A.params))
+
+
+def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int, base: dict,
+              resident: dict) -> None:
+    """The Rollplex schedule: prefix programs during the rollout, suffix micro-batches, one prefix vjp."""
+    from rollplex_jax.programs.sequences import answer_blocks
+    from rollplex_jax.programs.split import make_split_programs
+
+    sp = make_split_programs(cfg.model, cfg.rl, cfg.programs)
+    Tp, Tv, Tr = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens
+    B, G = cfg.rl.batch_prompts, cfg.rollout.group_size
+    n = G if cfg.run.prefix_sharing else 1
+    P = B if cfg.run.prefix_sharing else B * G
+    res = cfg.run.actor_prefix == "residuals"
+    P0 = P // cfg.rl.mini_batches if res else P
+    D = cfg.model.text.hidden_size
+    inputs = A.inputs(P, Tp, Tv, 0, frames)
+    inputs0 = inputs if P0 == P else A.inputs(P0, Tp, Tv, 0, frames)
+    live = dict(base, **resident, other=device_bytes(inputs))
+    emb = emb0 = None
+    if cfg.optim.freeze_vision and Tv:
+        pb, emb = ph.compile(sp.vision, A.params, inputs)
+        ph.add("rollout", "vision", pb, {"compute_weights", "other", "emb"})
+        emb0 = emb if P0 == P else A.array((emb.shape[0] * P0 // P, D), emb.dtype)
+        live["emb"] = device_bytes(emb)
+    fn = sp.actor_prefix.program if res else sp.prefix
+    pb, out = ph.compile(fn, A.params, inputs0, emb0)
+    ph.add("rollout", "actor_prefix", pb, {"compute_weights", "other", "emb", "boundary_kv", "prefix_residuals"})
+    boundary = [out[:3]]
+    kept = out[3] if res else []
+    if P0 < P:
+        _, rest = ph.compile(sp.prefix, A.params, A.inputs(P - P0, Tp, Tv, 0, frames),
+                                  None if emb is None else A.array((emb.shape[0] - emb0.shape[0], D), emb.dtype))
+        boundary.append(rest)
+    live.update(boundary_kv=device_bytes(boundary), prefix_residuals=device_bytes(kept))
+    ref_b = None
+    if cfg.rl.uses_reference:
+        pb, ref_b = ph.compile(sp.prefix, A.params, inputs, emb)
+        ph.add("rollout", "ref_prefix", pb, {"ref_weights", "other", "emb", "boundary_kv"})
+        live["boundary_kv"] += device_bytes(ref_b)
+    ph.live["rollout"] = dict(live)
+    blk = answer_blocks(0, P, n, cfg.rl.micro_batch)[0]
+    size, na = blk.p1 - blk.p0, blk.a1 - blk.a0
+    mask, pos = A.array((P, Tp), bool), A.array((P,), jnp.int32)
+    ids, rmask = A.array((size, na, Tr), jnp.int32), A.array((size, na, Tr), bool)
+    if ref_b is not None:
+        pb, _ = ph.compile(sp.suffix_logp, size, A.params, *ref_b, mask, pos, 0, ids, rmask)
+        ph.add("score", "suffix_logp", pb, {"ref_weights", "boundary_kv"})
+    ph.live["score"] = dict(live)
+    live["boundary_kv"] = device_bytes(boundary)  # the reference's ends with scoring
+    _rollplex_train(ph, cfg, A, sp, live, boundary[0], kept, inputs0, emb0, (size, na, Tr, P0, Tp, Tv, frames))
+
+
+def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, b0, kept, inputs0, emb0, dims) -> None:
+    """The train phase's programs: a micro-batch's suffix gradients and the prefix vjp (residual path), or a
+    micro-batch's recomputed-prefix gradient."""
+    size, na, Tr, P0, Tp, Tv, frames = dims
+    ids, f32 = A.array((size, na, Tr), jnp.int32), A.array((size, na, Tr), jnp.float32)
+    adv = A.array((size, na), jnp.float32)
+    old = f32 if cfg.rl.mini_batches > 1 else None
+    ref = f32 if cfg.rl.uses_reference else None
+    grads = device_bytes(A.params)
+    live = dict(live, gradients=grads)
+    if cfg.run.actor_prefix == "residuals":
+        mask, pos = A.array((P0, Tp), bool), A.array((P0,), jnp.int32)
+        pb, (_, cts, _) = ph.compile(sp.suffix_grads, size, A.params, *b0, mask, pos, 0, ids, f32, adv, old, ref)
+        ph.add("train", "suffix_grads", pb, {"compute_weights", "boundary_kv"})
+        ct = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) for x in b0)
+        live["cotangents"] = device_bytes(ct)
+        meta = sp.actor_prefix.meta(A.params, inputs0, emb0)
+        pb, _ = ph.compile(sp.prefix_vjp, meta, A.params, kept, *ct)
+        ph.add("train", "prefix_vjp", pb, {"compute_weights", "prefix_residuals", "cotangents"})
+    if cfg.run.actor_prefix != "residuals" or cfg.rl.mini_batches > 1:
+        inputs = A.inputs(size, Tp, Tv, 0, frames)  # a micro-batch's prefix rows
+        emb = None if emb0 is None else A.array((emb0.shape[0] // P0 * size, emb0.shape[1]), emb0.dtype)
+        pb, _ = ph.compile(sp.grads_recompute, A.params, inputs, emb, ids, f32, adv, old, ref)
+        ph.add("train", "grads_recompute", pb, {"compute_weights"})
+    ph.live["train"] = live
+

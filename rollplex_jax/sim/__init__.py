@@ -1,0 +1,52 @@
+"""Step-time simulator: predict each phase's time and the step time of serial, rollplex and disaggregated.
+
+``simulate(cfg, hw, lengths, devices)`` -> ``Simulation`` (per schedule: phases in seconds, step time,
+spans for a Gantt chart). Reuses the planner's ``Lengths``, ``PlanMesh``, ``param_counts``,
+``ProgramModel`` and its weight-sharing classification. Hardware: ``rollplex_jax.sim.hardware`` (presets
+and the CPU probe; its docstring lists the datasheet numbers, efficiency factors and the probes that
+measure this CPU). Where each part lives (each module's docstring has its equations):
+
+- ``costs``: what one program costs (FLOPs, elementwise / attention bytes, kernel launches,
+  communication: ``Cost``, ``text_forward``, ``vision_forward``, ``backward_of``) and its time on a
+  device (``time_of``), with the dense program model's constants measured against XLA;
+- ``phases``: the seconds of each phase (rollout, reference and actor, update, weight sync, host
+  input assembly) for one step's ``Setup`` on a pool of devices;
+- ``schedules``: the phases on a timeline per schedule (serial, rollplex, overlap_only, sharing_only,
+  disaggregated), ``overlap_stage`` (the prefix beside the decode) and ``simulate()``;
+- ``report``: ``table``, ``plot``, ``sweep`` and ``sweep_table``.
+"""
+
+from rollplex_jax.sim.costs import (
+    DENSE_ATT_BWD,
+    DENSE_EW_BWD,
+    DENSE_TEXT_ATT_FWD,
+    DENSE_TEXT_EW,
+    DENSE_VIS_ATT_FWD,
+    DENSE_VIS_EW,
+    FLASH_EW_BWD,
+    OPS_PER_LAYER,
+    Cost,
+    backward_of,
+    text_forward,
+    time_of,
+    vision_forward,
+)
+from rollplex_jax.sim.phases import Setup, WeightSync, weight_sync
+from rollplex_jax.sim.report import TABLE_SCHEDULES, plot, sweep, sweep_table, table
+from rollplex_jax.sim.schedules import (
+    PHASES,
+    SCHEDULES,
+    Schedule,
+    Simulation,
+    build_schedule,
+    overlap_stage,
+    simulate,
+)
+
+__all__ = [
+    "DENSE_ATT_BWD", "DENSE_EW_BWD", "DENSE_TEXT_ATT_FWD", "DENSE_TEXT_EW", "DENSE_VIS_ATT_FWD", "DENSE_VIS_EW",
+    "FLASH_EW_BWD", "OPS_PER_LAYER", "PHASES", "SCHEDULES", "TABLE_SCHEDULES",
+    "Cost", "Schedule", "Setup", "Simulation", "WeightSync",
+    "backward_of", "build_schedule", "overlap_stage", "plot", "simulate", "sweep", "sweep_table", "table",
+    "text_forward", "time_of", "vision_forward", "weight_sync",
+]

@@ -1,0 +1,256 @@
+"""Seconds of each phase of one RL step: rollout, reference, actor, update, weight sync, host work.
+
+Every function takes the step's ``Setup`` (config, hardware, lengths, mesh, program model and the
+figures derived from them) and the pool of devices it runs on; ``schedules`` places the phases on a
+timeline. Costs of the programs come from ``costs``.
+
+- rollout (engine replicas of ``rollout_tp`` devices, rows = B G / replicas, waves of ``max_batch``; the
+  prefill and the engine's vision run once per prompt, B / replicas, not per answer):
+  prefill = prefill_fixed + F_prefill / (rollout_tp x peak x mfu_prefill); engine vision = images x
+  (engine_image_s + patches x engine_patch_s) where the patch cost is measured (CPU), else images x
+  engine_image_s + its FLOPs / (rollout_tp x peak x mfu_prefill) + bytes / ew_bw;
+  decode = waves x Tr_max x max(step floor, weight bytes / rollout_tp / (hbm x decode_bw_eff))
+           + rows x Tr_mean x (KV bytes read per token at mean context + F per token / peak)
+  i.e. the batch steps until its LONGEST answer (Tr_max) while the KV reads and FLOPs follow the
+  tokens actually generated (Tr_mean per answer).
+- reference: serial = full forward over B G rows of Tp + Tr_max tokens (padded), vision per row;
+  rollplex = prefix forward over B' rows (B with prefix sharing, B G without) of Tp tokens + suffix
+  forward over B G rows of Tr_max tokens attending Tp + Tr_max keys.
+- actor: serial = forward + backward over B G full rows; rollplex = prefix forward (+ vision) over B'
+  rows (overlapped), then suffix forward + backward and the prefix backward (2 x its forward).
+- update: memory-bound: per trainable param on its shard 4 (fp32 master r/w if bf16) + 16 (two Adam
+  moments r/w) + 2b (grad read, param write) bytes / hbm; offload adds 3 x 4 x 2 bytes over the host
+  link (master + moments in and out); + ops per parameter tensor.
+- weight sync: serial / disaggregated: the engine gets a full copy (P b / rollout_tp per device) each
+  step, over NVLink (colocated: reshard) or the network (disaggregated: train pool -> rollout pool);
+  rollplex: the engine reads aligned and view tensors in place (DLPack views of the actor's compute
+  weights) and refills only its own (rebuilt: fused qkv / gate_up, resharded, padded) buffers, as the
+  per-tensor classification counts them (``sharing.plan_sharing`` via ``planner.sharing_classification``;
+  its report's ``extra_bytes_per_device`` R and ``remote_bytes_per_device`` R_remote, each the largest of
+  any device). The part of R held in the device's own training shard is copied on the device, which
+  reads and writes each byte at HBM bandwidth; the rest comes from the other devices of the training
+  fsdp x tp group, over NVLink when that group fits in a node (``hw.devices_per_node``), else the network:
+    t_sync = 2 (R - R_remote) / hbm_bw + R_remote / link_bw
+  (taking both maxima, an upper bound on the slowest device's time). In one process (the devices fit a node)
+  the runtime refills these buffers right after the update on a side thread (``WeightPublisher.refill``), so
+  the sync runs beside the next step's host work and the rollout waits only for what it does not hide;
+  with several processes the engine reads an all-gathered copy inside the bind. Until issue 16 this was
+  max(0, P/rollout_tp - P/(fsdp tp)) b / intra_bw, which is 0 whenever the TPs match although vLLM's
+  fused tensors are rebuilt every step.
+- input assembly (host, ``hw.host_copy_bw`` > 0 only: CPU): the patch bytes of the rows scored (B x G
+  serial / disaggregated / overlap_only, B with prefix sharing) / host_copy_bw, on the critical path.
+- host: ``hw.host_step_s`` per step (rewards, scheduling, barriers) + input assembly (above).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rollplex_jax.config import Config
+from rollplex_jax.memory.planner import (
+    DEFAULT_PROGRAMS,
+    DENSE_PROGRAMS,
+    Lengths,
+    ParamCounts,
+    PlanMesh,
+    ProgramModel,
+    param_counts,
+    sharing_classification,
+)
+from rollplex_jax.sim.costs import (
+    DTYPE_BYTES,
+    Cost,
+    backward_of,
+    comm_bytes,
+    n_tensors,
+    text_forward,
+    time_of,
+    vision_forward,
+)
+from rollplex_jax.sim.hardware import Hardware
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One simulated step: its inputs and the figures every phase reads."""
+
+    cfg: Config
+    hw: Hardware
+    lengths: Lengths
+    mesh: PlanMesh
+    pm: ProgramModel
+    counts: ParamCounts
+    response_mean: float  # Tm: mean answer tokens (<= the max, lengths.response_tokens)
+
+    @classmethod
+    def of(cls, cfg: Config, hw: Hardware, lengths: Lengths | None, devices: int | None,
+           response_mean: float | None, programs: ProgramModel | None) -> Setup:
+        lengths = lengths or Lengths.from_config(cfg)
+        pm = programs or (DENSE_PROGRAMS if hw.default_programs == "dense" else ProgramModel.of(cfg.programs))
+        Tr = lengths.response_tokens
+        return cls(cfg, hw, lengths, PlanMesh.of(cfg, devices), pm, param_counts(cfg),
+                   min(Tr, response_mean if response_mean else Tr))
+
+    @property
+    def dt(self) -> str:
+        return self.cfg.model.dtype
+
+    @property
+    def b(self) -> int:
+        return DTYPE_BYTES[self.cfg.model.dtype]
+
+    @property
+    def rows(self) -> int:
+        """Answers per step: B x G."""
+        return self.cfg.rl.batch_prompts * self.cfg.rollout.group_size
+
+    @property
+    def patches(self) -> int:
+        """Patches per prompt (one image / video)."""
+        return self.lengths.vision_tokens * self.cfg.model.vision.spatial_merge_size**2
+
+    @property
+    def text_params(self) -> int:
+        return self.counts.total - self.counts.vision
+
+    @property
+    def use_ref(self) -> bool:
+        return self.cfg.rl.uses_reference
+
+
+def rollout(s: Setup, n_dev: int) -> tuple[float, float, float]:
+    """(prefill, vision in the engine, decode) seconds on a pool of n_dev devices. The engines prefill and
+    vision-encode each prompt once for its G answers (HF: ``hf_decode``; vLLM: its prefix cache, reset per bind),
+    then decode every answer over its own copy of the prompt's KV."""
+    cfg, hw, x, dt, b = s.cfg, s.hw, s.cfg.model.text, s.dt, s.b
+    Tp, Tv, Tr, Tm, n_img = (s.lengths.prompt_tokens, s.lengths.vision_tokens, s.lengths.response_tokens,
+                             s.response_mean, s.patches)
+    replicas = max(1, n_dev // s.mesh.rollout_tp)
+    rows = math.ceil(s.rows / replicas)
+    prompts = math.ceil(cfg.rl.batch_prompts / replicas)
+    waves = math.ceil(rows / cfg.rollout.max_batch)
+    rtp = s.mesh.rollout_tp
+    pf = text_forward(cfg, prompts, Tp, 0, 1, DEFAULT_PROGRAMS)  # engines use flash kernels
+    vis = vision_forward(cfg, prompts if Tv else 0, n_img, DEFAULT_PROGRAMS)
+    t_pf = hw.prefill_fixed_s * waves + pf.flops / (rtp * hw.flops(dt) * hw.mfu_prefill) \
+        + pf.ew_bytes / rtp / hw.ew_bw
+    t_vis = (prompts if Tv else 0) * hw.engine_image_s
+    if hw.engine_patch_s:  # measured per patch (CPU probe): replaces the FLOP / byte estimate
+        t_vis += (prompts if Tv else 0) * n_img * hw.engine_patch_s
+    else:
+        t_vis += vis.flops / (rtp * hw.flops(dt) * hw.mfu_prefill) + vis.ew_bytes / rtp / hw.ew_bw
+    kv_tok = x.num_hidden_layers * 2 * max(1, math.ceil(x.num_key_value_heads / rtp)) * x.head_dim * b
+    w_step = max(hw.decode_step_floor_s, s.text_params * b / rtp / (hw.hbm_bw * hw.decode_bw_eff))
+    per_tok = kv_tok * (Tp + Tm / 2) / (hw.hbm_bw * hw.decode_bw_eff) \
+        + (2 * s.text_params / rtp) / (hw.flops(dt) * hw.mfu_prefill)
+    t_dec = waves * Tr * w_step + rows * Tm * per_tok
+    return t_pf, t_vis, t_dec
+
+
+def _tp_time(s: Setup, c: Cost, tp: int, mfu: float, backward: bool = False) -> float:
+    """Seconds of ``c`` on one device of a TP group: tp divides its compute and bytes."""
+    return time_of(Cost(c.flops / tp, c.ew_bytes / tp, c.ops, c.comm_bytes, c.att_bytes / tp), s.hw, s.dt, mfu,
+                   backward=backward)
+
+
+def serial_training(s: Setup, n_dev: int, tm: PlanMesh) -> dict:
+    """Reference and actor seconds over full sequences, one micro-batch per program (serial schedule)."""
+    cfg, hw, pm = s.cfg, s.hw, s.pm
+    Tp, Tv, Tr = s.lengths.prompt_tokens, s.lengths.vision_tokens, s.lengths.response_tokens
+    n_mb = max(1, math.ceil(s.rows / min(cfg.rl.micro_batch, s.rows)))
+    rows_mb = s.rows / n_mb / (n_dev // tm.tp)  # rows per device per micro-batch
+    t_full = Tp + Tr
+    fwd = text_forward(cfg, rows_mb, t_full, 0, Tr, pm) + vision_forward(cfg, rows_mb if Tv else 0, s.patches, pm)
+    fwd = dataclasses.replace(fwd, comm_bytes=comm_bytes(cfg, tm, rows_mb * t_full, s.counts.total, 1))
+    return {
+        "reference": n_mb * _tp_time(s, fwd, tm.tp, hw.mfu_forward) if s.use_ref else 0.0,
+        "actor_fwd": n_mb * _tp_time(s, fwd, tm.tp, hw.mfu_forward),
+        "actor_bwd": n_mb * _tp_time(s, backward_of(fwd, pm, cfg), tm.tp, hw.mfu_backward, True),
+    }
+
+
+def rollplex_training(s: Setup, n_dev: int, sharing: bool, tm: PlanMesh) -> dict:
+    """Prefix (vision, actor, reference), suffix and backward seconds of the split programs, with one prefix
+    per prompt (``sharing``) or one per answer."""
+    cfg, hw, pm = s.cfg, s.hw, s.pm
+    Tp, Tv, Tr = s.lengths.prompt_tokens, s.lengths.vision_tokens, s.lengths.response_tokens
+    bs = n_dev // tm.tp
+    rows_p = (cfg.rl.batch_prompts if sharing else s.rows) / bs
+    vis_in = not cfg.optim.freeze_vision
+    vis = vision_forward(cfg, rows_p if Tv else 0, s.patches, pm, saved=vis_in)
+    pre = text_forward(cfg, rows_p, Tp, 0, 1, pm, saved=True)  # the actor's and the reference's prefix
+    pre = dataclasses.replace(pre, comm_bytes=comm_bytes(cfg, tm, rows_p * Tp, s.text_params, 1))
+    rows_s = s.rows / bs
+    suf = text_forward(cfg, rows_s, Tr, Tp, Tr, pm)
+    suf = dataclasses.replace(suf, comm_bytes=comm_bytes(cfg, tm, rows_s * Tr, s.text_params, 1))
+    pre_bwd = backward_of(pre + (vis if vis_in else Cost()), pm, cfg)
+    # --actor_prefix=recompute: the training recomputes each micro-batch's prefix rows (all prompts once)
+    recompute = _tp_time(s, pre + (vis if vis_in else Cost()), tm.tp, hw.mfu_forward) \
+        if cfg.run.actor_prefix == "recompute" else 0.0
+    return {
+        "vision": _tp_time(s, vis, tm.tp, hw.mfu_forward),
+        "actor_prefix": _tp_time(s, pre, tm.tp, hw.mfu_forward),
+        "ref_prefix": _tp_time(s, pre, tm.tp, hw.mfu_forward) if s.use_ref else 0.0,
+        "reference": _tp_time(s, suf, tm.tp, hw.mfu_forward) if s.use_ref else 0.0,
+        "actor_fwd": _tp_time(s, suf, tm.tp, hw.mfu_forward),
+        "actor_bwd": _tp_time(s, backward_of(suf, pm, cfg) + pre_bwd.scale(1.0, ops=0), tm.tp, hw.mfu_backward,
+                              True) + recompute,
+    }
+
+
+def training(s: Setup, n_dev: int, sharing: bool, split: bool, tm: PlanMesh | None = None) -> dict:
+    """Seconds of reference / actor work on a pool of n_dev devices (the training mesh scaled, or ``tm``):
+    the split (rollplex) programs or the full-sequence (serial) ones."""
+    tm = tm or dataclasses.replace(s.mesh, devices=n_dev)
+    return rollplex_training(s, n_dev, sharing, tm) if split else serial_training(s, n_dev, tm)
+
+
+def update(s: Setup, n_dev: int) -> float:
+    """Seconds of the optimizer update with its state sharded over n_dev devices (module doc)."""
+    hw, dt, b = s.hw, s.dt, s.b
+    shard = s.counts.trainable / n_dev
+    master = 8 if dt != "float32" else 0
+    byts = shard * (master + 16 + 4 + 2 * b if dt == "float32" else master + 16 + 2 * b)
+    t = byts / (hw.hbm_bw * 0.8) + hw.op_overhead_s * 6 * n_tensors(s.cfg)
+    if s.cfg.memory.optimizer_policy == "offload":
+        t += shard * (4 * 3 if dt != "float32" else 8) * 2 / hw.host_bw
+    return t
+
+
+def input_prep(s: Setup, rows: float) -> float:
+    """Host-side assembly of ``rows`` model-input rows (their patches gathered and put on the device), when
+    it is on the critical path (``hw.host_copy_bw`` > 0: today's runtime on CPU)."""
+    if not s.hw.host_copy_bw or not s.lengths.vision_tokens:
+        return 0.0
+    return rows * s.patches * s.cfg.model.vision.patch_dim * 4 / s.hw.host_copy_bw
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSync:
+    """Bytes the engine's weights need per device each step, and the seconds that takes per schedule."""
+
+    full_copy_bytes: float  # a full engine shard, P b / rollout_tp: serial and disaggregated
+    rebuilt_bytes: float  # rollplex: engine-owned buffers refilled each step (largest of any device)
+    remote_bytes: float  # the part of them not in the device's own training shard (largest of any device)
+    layout: str  # the engine's tensor layout the classification used (hf / vllm / tp)
+    link: str  # where the remote part comes from: NVLink or network
+    serial_s: float  # colocated full copy over NVLink
+    rollplex_s: float
+    transfer_s: float  # disaggregated: the full copy over the network
+    after_update: bool  # rollplex's refill runs after the update, beside the next step's host work (one process)
+
+
+def weight_sync(s: Setup) -> WeightSync:
+    """Weight sync of each schedule; rollplex's from the per-tensor sharing classification (module doc)."""
+    P, b, mesh, hw = s.counts.total, s.b, s.mesh, s.hw
+    c = sharing_classification(s.cfg)
+    rebuilt, remote = c["extra_bytes_per_device"], c["remote_bytes_per_device"]
+    in_node = mesh.weight_shards <= hw.devices_per_node
+    link_bw = hw.intra_bw if in_node else hw.inter_bw
+    full_copy = P * b / mesh.rollout_tp
+    return WeightSync(full_copy, rebuilt, remote, c["layout"], "NVLink" if in_node else "network",
+                      serial_s=full_copy / hw.intra_bw,
+                      rollplex_s=2 * max(0, rebuilt - remote) / hw.hbm_bw + remote / link_bw,
+                      transfer_s=full_copy / hw.inter_bw if mesh.devices > 1 else 0.0,
+                      after_update=mesh.devices <= hw.devices_per_node)

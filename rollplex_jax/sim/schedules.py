@@ -1,0 +1,252 @@
+"""The schedules: phases placed on lanes of one step's timeline, and ``simulate()``.
+
+Schedules:
+- serial: host + input assembly + sync + rollout + reference(full) + actor(full fwd+bwd) + update.
+- rollplex: host + sync(rebuilt buffers) + overlap(rollout, prefix) + ref suffix + actor suffix/prefix bwd +
+  update; ``overlap_only`` = no prefix sharing, ``sharing_only`` = no overlap (prefix after decode).
+- overlap (``overlap_stage``): the prefix programs run at (1 - decode_util) of their speed during the
+  decode (they get the compute the decode leaves idle) and the decode is slowed by ``interference`` x
+  the co-running time; what is left of the prefix after the decode runs at full speed. Critical-path
+  saving = T_prefill_decode + T_prefix - stage = min(T_prefix - decode slowdown, ~T_decode) (the
+  paper's bound; the prefill runs before the prefix programs start: they need the whole device).
+  With ``hw.overlap_window == 'rollout'`` (CPU: the prefix programs are dispatched before the engine's
+  prefill) the window is the whole rollout.
+- disaggregated: the paper's baseline, synchronous on-policy: rollout on ``split`` x D devices, training
+  (reference + actor, full sequences, no prefix sharing) on the rest, weight transfer over the network
+  each step, NOT pipelined (the pools idle alternately): step = host + rollout(D_r) + transfer +
+  reference(D_t) + actor(D_t) + update(D_t).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rollplex_jax.config import Config
+from rollplex_jax.memory.planner import Lengths, PlanMesh, ProgramModel
+from rollplex_jax.sim.hardware import Hardware
+from rollplex_jax.sim.phases import (
+    Setup,
+    WeightSync,
+    input_prep,
+    rollout,
+    training,
+    update,
+    weight_sync,
+)
+
+SCHEDULES = ("serial", "rollplex", "overlap_only", "sharing_only", "disaggregated")
+PHASES = ("host", "input_prep", "weight_sync", "prefill", "decode", "vision", "ref_prefix", "actor_prefix", "reference",
+          "actor_fwd", "actor_bwd", "update")
+PREFIX_PHASES = ("vision", "actor_prefix", "ref_prefix")
+
+
+@dataclasses.dataclass
+class Schedule:
+    name: str
+    phases: dict  # {phase: seconds of work}
+    step_s: float
+    spans: list  # [(lane, name, start, end)]
+    notes: str = ""
+
+
+@dataclasses.dataclass
+class Simulation:
+    schedules: dict
+    hardware: Hardware
+    lengths: Lengths
+    devices: int
+    response_mean: float
+    programs: ProgramModel
+    assumptions: list
+    details: dict
+
+    def speedup(self, a: str, b: str) -> float:
+        return self.schedules[b].step_s / self.schedules[a].step_s
+
+    def to_dict(self) -> dict:
+        return {
+            "hardware": {k: v for k, v in self.hardware.to_dict().items()},
+            "devices": self.devices, "lengths": dataclasses.asdict(self.lengths),
+            "response_mean": self.response_mean, "programs": dataclasses.asdict(self.programs),
+            "schedules": {n: {"step_s": s.step_s, "phases_s": s.phases, "notes": s.notes}
+                          for n, s in self.schedules.items()},
+            "speedup": {"rollplex_over_serial": self.speedup("rollplex", "serial"),
+                        "rollplex_over_disaggregated": self.speedup("rollplex", "disaggregated"),
+                        "overlap_only_over_serial": self.speedup("overlap_only", "serial"),
+                        "sharing_only_over_serial": self.speedup("sharing_only", "serial")},
+            "assumptions": self.assumptions, "details": self.details,
+        }
+
+
+def overlap_stage(t_prefix: float, t_decode: float, decode_util: float, interference: float) -> tuple[float, float]:
+    """(stage time, decode slowdown) of running the prefix work beside the decode (module doc).
+
+    The prefix progresses at (1 - decode_util) of its standalone speed while the decode runs; the decode
+    is slowed by ``interference`` x (time both run). Saving = t_prefix + t_decode - stage, which is at most
+    min(t_prefix, t_decode) and at least 0 (never worse than running them one after the other)."""
+    if t_prefix <= 0 or t_decode <= 0:
+        return t_prefix + t_decode, 0.0
+    rate = max(1e-9, 1.0 - decode_util)
+    # co-running time c: the prefix finishes within the (slowed) decode if t_prefix / rate <= decode'
+    slowed = t_decode * (1 + interference)
+    if t_prefix / rate <= slowed:
+        c = t_prefix / rate
+        stage = t_decode + interference * c
+        slowdown = interference * c
+    else:
+        stage = slowed + (t_prefix - slowed * rate)
+        slowdown = interference * t_decode
+    stage = min(stage, t_prefix + t_decode)  # never worse than serialising them
+    return stage, slowdown
+
+
+@dataclasses.dataclass
+class _Timeline:
+    spans: list = dataclasses.field(default_factory=list)
+
+    def add(self, lane: str, phase: str, dur: float, start: float) -> float:
+        """A span of ``dur`` seconds on ``lane`` from ``start`` (none if empty); returns its end."""
+        if dur > 0:
+            self.spans.append((lane, phase, start, start + dur))
+        return start + dur
+
+
+def _overlapped_prefix(tl: _Timeline, ph: dict, t: float, t_roll_vis: float, hw: Hardware) -> tuple[float, float]:
+    """The prefix programs beside the decode (or the whole rollout): (end of the stage, decode slowdown)."""
+    pre = sum(ph[p] for p in PREFIX_PHASES)
+    window = ph["decode"]
+    if hw.overlap_window == "rollout":  # the prefix programs are dispatched before the engine's prefill
+        t -= ph["prefill"] + t_roll_vis
+        window += ph["prefill"] + t_roll_vis
+    stage, slow = overlap_stage(pre, window, hw.decode_util, hw.interference)
+    tl.add("rollout", "decode", ph["decode"] + slow, t + window - ph["decode"])
+    s, stretch = t, min(1 / max(1 - hw.decode_util, 1e-9), stage / pre)  # drawn at the shared rate
+    for p in PREFIX_PHASES:
+        s = tl.add("prefix", p, ph[p] * stretch, s)
+    return t + stage, slow
+
+
+def build_schedule(name: str, phases: dict, overlap: bool, hw: Hardware, sync_beside_host: bool = False
+                   ) -> Schedule:
+    """The step's critical path and lanes from each phase's seconds (``overlap``: prefix beside the decode;
+    ``sync_beside_host``: the weight sync is the previous update's refill, on a side thread that runs beside the
+    step's host work and input assembly, the rollout waiting for whichever ends last)."""
+    ph = {p: phases.get(p, 0.0) for p in PHASES}
+    tl = _Timeline()
+    t = tl.add("host", "host", ph["host"], 0.0)
+    t = tl.add("host", "input_prep", ph["input_prep"], t)
+    t = max(t, tl.add("weights", "weight_sync", ph["weight_sync"], 0.0)) if sync_beside_host else \
+        tl.add("weights", "weight_sync", ph["weight_sync"], t)
+    t = tl.add("rollout", "prefill", ph["prefill"], t)
+    t_roll_vis = phases.get("engine_vision", 0.0)
+    t = tl.add("rollout", "engine vision", t_roll_vis, t)
+    if overlap and sum(ph[p] for p in PREFIX_PHASES) > 0:
+        t, ph["decode_slowdown"] = _overlapped_prefix(tl, ph, t, t_roll_vis, hw)
+    else:
+        t = tl.add("rollout", "decode", ph["decode"], t)
+        if name == "disaggregated":
+            t = tl.add("weights", "transfer", phases.get("transfer", 0.0), t)
+        for p in PREFIX_PHASES:
+            t = tl.add("prefix", p, ph[p], t)
+    t = tl.add("reference", "reference", ph["reference"], t)
+    t = tl.add("actor", "actor_fwd", ph["actor_fwd"], t)
+    t = tl.add("actor", "actor_bwd", ph["actor_bwd"], t)
+    t = tl.add("update", "update", ph["update"], t)
+    ph["engine_vision"] = t_roll_vis
+    if "transfer" in phases:
+        ph["transfer"] = phases["transfer"]
+    return Schedule(name, ph, t, tl.spans)
+
+
+def _disaggregated(s: Setup, split: float, sync: WeightSync) -> tuple[Schedule, tuple[int, int], list[str]]:
+    """The disaggregated baseline: (schedule, (rollout pool, training pool) devices, notes)."""
+    mesh, hw, D, notes = s.mesh, s.hw, s.mesh.devices, []
+    d_r = max(mesh.rollout_tp, int(round(D * split / mesh.rollout_tp)) * mesh.rollout_tp)
+    d_t = D - d_r
+    if d_t < mesh.tp:  # too few devices to split: pools of rollout_tp + tp devices (more than D)
+        d_t = mesh.tp
+        notes.append(f"disaggregated: {D} devices cannot be split; modelled with {d_r} + {d_t} devices")
+    if d_t % mesh.tp:
+        raise ValueError(f"disaggregated: training pool of {d_t} devices is not a multiple of train_tp={mesh.tp}")
+    if d_t % mesh.weight_shards:  # fewer devices than one fsdp x tp group: shrink fsdp to fit the pool
+        notes.append(f"disaggregated: training pool of {d_t} devices runs fsdp {d_t // mesh.tp} x tp {mesh.tp}")
+    train_mesh = PlanMesh(d_t, max(1, min(mesh.fsdp, d_t // mesh.tp)), mesh.tp, mesh.rollout_tp)
+    r_pf, r_vis, r_dec = rollout(s, d_r)
+    sched = build_schedule("disaggregated", {
+        "host": hw.host_step_s, "input_prep": input_prep(s, s.rows), "prefill": r_pf, "engine_vision": r_vis,
+        "decode": r_dec, "transfer": sync.transfer_s,
+        "update": update(s, d_t), **training(s, d_t, False, False, train_mesh)}, False, hw)
+    sched.notes = f"rollout pool {d_r} devices, training pool {d_t}; synchronous, not pipelined"
+    return sched, (d_r, d_t), notes
+
+
+def _assumptions(s: Setup, sync: WeightSync, pools: tuple[int, int], notes: list[str]) -> list[str]:
+    hw, dt, mesh, lengths = s.hw, s.dt, s.mesh, s.lengths
+    Tp, Tv, Tr = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens
+    return [
+        f"hardware {hw.name}: {hw.source}",
+        f"peak {hw.flops(dt) / 1e12:.3g} TFLOP/s ({dt}), HBM {hw.hbm_bw / 1e9:.0f} GB/s, NVLink {hw.intra_bw / 1e9:.0f}"
+        f" GB/s, network {hw.inter_bw / 1e9:.0f} GB/s per device; MFU prefill {hw.mfu_prefill}, forward "
+        f"{hw.mfu_forward}, backward {hw.mfu_backward}; decode at {hw.decode_bw_eff} of HBM bandwidth with a "
+        f"{hw.decode_step_floor_s * 1e3:.2f} ms per-step floor",
+        f"overlap: decode keeps {hw.decode_util:.2f} of the compute busy (the prefix runs at the rest); interference:"
+        f" decode slowed by {hw.interference:.2f} x the co-running time",
+        f"lengths: prompt {Tp} ({Tv} vision tokens = {s.patches} patches), answers mean {s.response_mean:g} / max "
+        f"{Tr}: decode steps = max (the batch runs until its longest answer), KV reads and FLOPs = mean; "
+        "scoring/training pad to max",
+        s.pm.describe(),
+        f"devices {mesh.devices}: training fsdp {mesh.fsdp} x tp {mesh.tp}, rollout tp {mesh.rollout_tp} "
+        f"({mesh.devices // mesh.rollout_tp} replicas)",
+        f"weight sync per step: serial/disaggregated a full engine copy ({sync.full_copy_bytes / 1e9:.2f} GB per "
+        f"device; NVLink colocated, network disaggregated); rollplex refills only the engine-owned (rebuilt) "
+        f"buffers of the per-tensor classification ({sync.layout} layout: {sync.rebuilt_bytes / 1e9:.2f} GB per "
+        f"device, {sync.remote_bytes / 1e9:.2f} GB of it from other devices over {sync.link}, the rest copied "
+        "on the device at HBM bandwidth, read + write), "
+        + ("after the update on a side thread, beside the next step's host work (one process: "
+           "WeightPublisher.refill)" if sync.after_update else "inside the bind before the rollout (several processes: "
+           "the engine reads an all-gathered copy, a collective that is not moved off the critical path)"),
+        f"disaggregated: {pools[0]} rollout + {pools[1]} training devices, synchronous on-policy, not pipelined",
+        f"host work {hw.host_step_s} s per step" + (f"; input assembly on the critical path at "
+                                                     f"{hw.host_copy_bw / 1e9:.2g} GB/s (patch bytes of the rows "
+                                                     "scored: B x G serial, B' rollplex)" if hw.host_copy_bw
+                                                     else "; input assembly off the critical path"),
+        *notes,
+    ]
+
+
+def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices: int | None = None, *,
+             response_mean: float | None = None, programs: ProgramModel | None = None,
+             disagg_split: float = 0.5) -> Simulation:
+    """Each phase's seconds and the step time of every schedule in ``SCHEDULES`` (module docs).
+
+    Args:
+      cfg: the run's config (model, batch, mesh, engine, schedule switches).
+      hw: the device (``hardware.preset``).
+      lengths: tokens per row (default ``Lengths.from_config(cfg)``).
+      devices: devices to simulate (None/0: train_fsdp * train_tp).
+      response_mean: mean answer tokens (None: the max); decode steps follow the max.
+      programs: the program model (None: the preset's default, dense on CPU, flash + remat on GPUs).
+      disagg_split: the fraction of the devices in the disaggregated rollout pool.
+    Returns:
+      The ``Simulation``: schedules with phases, step time and timeline spans; assumptions; details.
+    """
+    s = Setup.of(cfg, hw, lengths, devices, response_mean, programs)
+    D, B = s.mesh.devices, cfg.rl.batch_prompts
+    sync = weight_sync(s)
+    t_pf, t_vis, t_dec = rollout(s, D)
+    base = {"host": hw.host_step_s, "prefill": t_pf, "engine_vision": t_vis, "decode": t_dec, "update": update(s, D)}
+    scheds = {"serial": build_schedule("serial", {**base, "input_prep": input_prep(s, s.rows),
+                                                  "weight_sync": sync.serial_s, **training(s, D, False, False)},
+                                       False, hw)}
+    for name, sharing, overlap in (("rollplex", True, True), ("overlap_only", False, True),
+                                   ("sharing_only", True, False)):
+        scheds[name] = build_schedule(name, {**base, "input_prep": input_prep(s, B if sharing else s.rows),
+                                             "weight_sync": sync.rollplex_s, **training(s, D, sharing, True)},
+                                      overlap, hw, sync_beside_host=sync.after_update)
+    scheds["disaggregated"], pools, notes = _disaggregated(s, disagg_split, sync)
+    details = {"rollout_rows_per_replica": math.ceil(s.rows / max(1, D // s.mesh.rollout_tp)),
+               "params": s.counts.total, "disagg_pools": list(pools),
+               "weight_sync": {"layout": sync.layout, "rebuilt_bytes_per_device": int(sync.rebuilt_bytes),
+                               "remote_bytes_per_device": int(sync.remote_bytes), "remote_link": sync.link}}
+    return Simulation(scheds, hw, s.lengths, D, s.response_mean, s.pm, _assumptions(s, sync, pools, notes), details)
