@@ -24,8 +24,9 @@ from rollplex_jax.models.qwen2_5_vl.fused import param_layout, to_hf
 from rollplex_jax.models.qwen2_5_vl.names import normalize_name
 from rollplex_jax.models.qwen2_5_vl.params import init_params, param_specs
 from rollplex_jax.parallel import mesh as M
+from rollplex_jax.weights import classify as S
 from rollplex_jax.weights import engine_layouts as EL
-from rollplex_jax.weights import sharing as S
+from rollplex_jax.weights.sharing import WeightPublisher
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -191,7 +192,7 @@ def test_floor_closed_form_on_a_layout_where_everything_divides():
     boxes = {"w": [((16 * t, 16 * t + 16), (16 * f, 16 * f + 16)) for f, t in pos],
              "o": [((16 * f, 16 * f + 16), (16 * t, 16 * t + 16)) for f, t in pos],
              "n": [((0, 32),)] * len(pos)}
-    plan = S.classify(layout, shapes, boxes, t_r, itemsize)
+    plan = S.classify(layout, S.TrainShards(shapes, boxes, itemsize), t_r)
     assert plan.report()["floor_bytes_per_device"] is None  # classify alone does not know the shard sizes
     plan = dataclasses.replace(plan, held={k: tuple(S.box_size(b) for b in v) for k, v in boxes.items()})
     rep = plan.report()
@@ -345,7 +346,7 @@ def test_hf_engine_binds_fsdp_sharded_params():
     params = init_params(cfg, jax.random.key(0), std=0.1)
     sharded = _place(params, cfg, 4, 1)
     eng = HFEngine(cfg.to_hf_dict())
-    pub = S.WeightPublisher(eng, cfg)
+    pub = WeightPublisher(eng, cfg)
     pub.publish(sharded, version=0)
     rep = pub.report()
     assert rep.counts["rebuilt"] > 0 and rep.counts["aligned"] > 0
@@ -364,7 +365,7 @@ def test_hf_engine_binds_fsdp_sharded_params():
     got = eng.generate(prompts, 1, sp).response_ids
     eng.release()
     ref = HFEngine(cfg.to_hf_dict())
-    S.WeightPublisher(ref, cfg).publish(params, version=0)
+    WeightPublisher(ref, cfg).publish(params, version=0)
     np.testing.assert_array_equal(got, ref.generate(prompts, 1, sp).response_ids)
     ref.release()
     new = init_params(cfg, jax.random.key(5), std=0.1)
@@ -380,7 +381,7 @@ def test_hf_engine_binds_fsdp_sharded_params():
 EIGHT = textwrap.dedent("""
     import jax, numpy as np
     from rollout_torch.weights import ShardedBinder
-    from rollplex_jax.weights import sharing as S
+    from rollplex_jax.weights import classify as S
     from rollplex_jax.config import MeshConfig
     from rollplex_jax.models.qwen2_5_vl.params import init_params
     from tests.test_sharing_layout import _cfg, _laid, _place, check_binding

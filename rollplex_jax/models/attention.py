@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -319,9 +320,27 @@ def _slice(x, start, size: int, axis: int):
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _block_scores(spec: _Spec, s: int, qi, kj, valid, seg, i, j):
+class _Src(NamedTuple):
+    """One source's arrays inside the blockwise loops: keys, values, key validity, segment ids (or None)."""
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    seg: tuple | None
+
+
+class _Grad(NamedTuple):
+    """What every backward block reads: q, the output's cotangent do, the saved log-sum-exp, delta = rowsum(do o)."""
+
+    q: jax.Array
+    do: jax.Array
+    lse: jax.Array
+    delta: jax.Array
+
+
+def _block_scores(spec: _Spec, s: int, qi, kj, src: _Src, i, j):
     """Scaled fp32 scores [B, N, K, G, bq, bk] of query block i against key block j, and the block's mask."""
-    bk = spec.bk[s]
+    bk, valid, seg = spec.bk[s], src.valid, src.seg
     sub = "bskd" if spec.shared[s] else "bnskd"
     scores = jnp.einsum(f"bnqkgd,{sub}->bnkgqs", qi, kj, preferred_element_type=_F32) * spec.scale
     vj = _slice(valid, j * bk, bk, valid.ndim - 1)
@@ -332,19 +351,19 @@ def _block_scores(spec: _Spec, s: int, qi, kj, valid, seg, i, j):
     return scores, mask
 
 
-def _fwd_step(spec: _Spec, s: int, qi, i, k, v, valid, seg, j, state):
+def _fwd_step(spec: _Spec, s: int, qi, i, src: _Src, j, state):
     """One online-softmax update of (max, sum, acc) [B, N, K, G, bq](, d) with key block j of source s."""
     m, total, acc = state
-    bk, axis = spec.bk[s], k.ndim - 3
-    kj, vj = _slice(k, j * bk, bk, axis), _slice(v, j * bk, bk, axis)
-    scores, mask = _block_scores(spec, s, qi, kj, valid, seg, i, j)
+    bk, axis = spec.bk[s], src.k.ndim - 3
+    kj, vj = _slice(src.k, j * bk, bk, axis), _slice(src.v, j * bk, bk, axis)
+    scores, mask = _block_scores(spec, s, qi, kj, src, i, j)
     scores = jnp.where(mask, scores, -jnp.inf)
     m_new = jnp.maximum(m, scores.max(axis=-1))
     m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # nothing visible yet: keep exp() at 0, not NaN
     p = jnp.exp(scores - m_safe[..., None])
     alpha = jnp.exp(m - m_safe)
     sub = "bskd" if spec.shared[s] else "bnskd"
-    pv = jnp.einsum(f"bnkgqs,{sub}->bnkgqd", p.astype(v.dtype), vj, preferred_element_type=_F32)
+    pv = jnp.einsum(f"bnkgqs,{sub}->bnkgqd", p.astype(src.v.dtype), vj, preferred_element_type=_F32)
     return m_new, alpha * total + p.sum(axis=-1), alpha[..., None] * acc + pv
 
 
@@ -358,9 +377,9 @@ def _flash_fwd(spec: _Spec, q, ks, vs, valids, segs):
         qi = _slice(q, i * spec.bq, spec.bq, 2)
         state = (jnp.full((b, n, kh, g, spec.bq), -jnp.inf, _F32), jnp.zeros((b, n, kh, g, spec.bq), _F32),
                  jnp.zeros((b, n, kh, g, spec.bq, d), _F32))
-        for s, (k, v, valid, seg) in enumerate(zip(ks, vs, valids, segs, strict=True)):
-            lo, hi = _key_blocks(spec, s, i, k.shape[-3] // spec.bk[s])
-            state = jax.lax.fori_loop(lo, hi, functools.partial(_fwd_step, spec, s, qi, i, k, v, valid, seg), state)
+        for s, src in enumerate(_Src(*a) for a in zip(ks, vs, valids, segs, strict=True)):
+            lo, hi = _key_blocks(spec, s, i, src.k.shape[-3] // spec.bk[s])
+            state = jax.lax.fori_loop(lo, hi, functools.partial(_fwd_step, spec, s, qi, i, src), state)
         m, total, acc = state
         seen = total > 0
         o = acc / jnp.where(seen, total, 1.0)[..., None]
@@ -374,35 +393,36 @@ def _flash_fwd(spec: _Spec, q, ks, vs, valids, segs):
     return out, (q, ks, vs, valids, segs, out, lse)
 
 
-def _bwd_step(spec: _Spec, s: int, kj, vj, j, q, do, lse, delta, valid, seg, i, carry):
-    """Query block i's share of the gradients through key block j of source s."""
+def _bwd_step(spec: _Spec, s: int, kv_j: tuple, j, g: _Grad, src: _Src, i, carry):
+    """Query block i's share of the gradients through key block j (``kv_j``: its keys and values) of source s."""
     dq, dk, dv = carry
-    bq = spec.bq
-    qi, doi = _slice(q, i * bq, bq, 2), _slice(do, i * bq, bq, 2)
-    scores, mask = _block_scores(spec, s, qi, kj, valid, seg, i, j)
-    lse_i, delta_i = _slice(lse, i * bq, bq, 4), _slice(delta, i * bq, bq, 4)
+    (kj, vj), bq = kv_j, spec.bq
+    qi, doi = _slice(g.q, i * bq, bq, 2), _slice(g.do, i * bq, bq, 2)
+    scores, mask = _block_scores(spec, s, qi, kj, src, i, j)
+    lse_i, delta_i = _slice(g.lse, i * bq, bq, 4), _slice(g.delta, i * bq, bq, 4)
     p = jnp.where(mask, jnp.exp(scores - lse_i[..., None]), 0.0)
     sub = "bskd" if spec.shared[s] else "bnskd"
-    dv = dv + jnp.einsum(f"bnkgqs,bnqkgd->{sub}", p.astype(do.dtype), doi, preferred_element_type=_F32)
+    dv = dv + jnp.einsum(f"bnkgqs,bnqkgd->{sub}", p.astype(g.do.dtype), doi, preferred_element_type=_F32)
     dp = jnp.einsum(f"bnqkgd,{sub}->bnkgqs", doi, vj, preferred_element_type=_F32)
-    ds = (p * (dp - delta_i[..., None]) * spec.scale).astype(q.dtype)
+    ds = (p * (dp - delta_i[..., None]) * spec.scale).astype(g.q.dtype)
     dk = dk + jnp.einsum(f"bnkgqs,bnqkgd->{sub}", ds, qi, preferred_element_type=_F32)
     dqi = jnp.einsum(f"bnkgqs,{sub}->bnqkgd", ds, kj, preferred_element_type=_F32)
     dq = jax.lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * bq, bq, 2) + dqi, i * bq, axis=2)
     return dq, dk, dv
 
 
-def _source_bwd(spec: _Spec, s: int, q, do, lse, delta, k, v, valid, seg, dq):
+def _source_bwd(spec: _Spec, s: int, g: _Grad, src: _Src, dq):
     """Gradients w.r.t. one source's k, v (fp32, like k) and its share of dq, looping over key blocks."""
+    k, v = src.k, src.v
     bk, axis = spec.bk[s], k.ndim - 3
-    nq, nk = q.shape[2] // spec.bq, k.shape[axis] // bk
+    nq, nk = g.q.shape[2] // spec.bq, k.shape[axis] // bk
 
     def k_block(j, carry):
         dq, dk, dv = carry
         kj, vj = _slice(k, j * bk, bk, axis), _slice(v, j * bk, bk, axis)
         zeros = jnp.zeros(kj.shape, _F32)
         lo, hi = _query_blocks(spec, s, j, nq)
-        step = functools.partial(_bwd_step, spec, s, kj, vj, j, q, do, lse, delta, valid, seg)
+        step = functools.partial(_bwd_step, spec, s, (kj, vj), j, g, src)
         dq, dkj, dvj = jax.lax.fori_loop(lo, hi, step, (dq, zeros, zeros))
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj, j * bk, axis=axis)
         return dq, dk, jax.lax.dynamic_update_slice_in_dim(dv, dvj, j * bk, axis=axis)
@@ -414,11 +434,12 @@ def _source_bwd(spec: _Spec, s: int, q, do, lse, delta, k, v, valid, seg, dq):
 def _flash_bwd(spec: _Spec, res, do):
     q, ks, vs, valids, segs, out, lse = res
     delta = jnp.einsum("bnqkgd,bnqkgd->bnkgq", do.astype(_F32), out.astype(_F32))
+    g = _Grad(q, do, lse, delta)
     dq, dks, dvs = jnp.zeros(q.shape, _F32), [], []
-    for s, (k, v, valid, seg) in enumerate(zip(ks, vs, valids, segs, strict=True)):
-        dq, dk, dv = _source_bwd(spec, s, q, do, lse, delta, k, v, valid, seg, dq)
-        dks.append(dk.astype(k.dtype))
-        dvs.append(dv.astype(v.dtype))
+    for s, src in enumerate(_Src(*a) for a in zip(ks, vs, valids, segs, strict=True)):
+        dq, dk, dv = _source_bwd(spec, s, g, src, dq)
+        dks.append(dk.astype(src.k.dtype))
+        dvs.append(dv.astype(src.v.dtype))
     return dq.astype(q.dtype), tuple(dks), tuple(dvs), None, None
 
 

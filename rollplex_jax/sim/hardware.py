@@ -427,6 +427,6 @@ def _torch_decode_probe(torch_threads: int, rows: int = 32, prompt: int = 38, xl
 
 
 def _demo_hf_config() -> dict:
-    path = os.path.join(os.path.dirname(__file__), "..", "configs", "models", "demo.json")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models", "demo.json")  # the repo's
     with open(path) as f:
         return json.load(f)

@@ -108,7 +108,7 @@ from rollplex_jax.memory.planner.types import (
 )
 
 WEIGHT_SHARING_RULE = (
-    "rollout weights: per-tensor classification (rollplex_jax/weights/sharing.py) of the engine's tensors against the "
+    "rollout weights: per-tensor classification (rollplex_jax/weights/classify.py) of the engine's tensors against the "
     "training shards on each device (rank r of rollout replica j on training device j*rollout_tp + r): aligned "
     "and view tensors alias the actor's compute weights, rebuilt ones (fused, resharded, padded) are "
     "engine-owned buffers; rollout_weights = the largest rebuilt bytes of any device")
@@ -122,7 +122,7 @@ def sharing_classification(cfg: Config) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _classification(model: ModelConfig, mesh, engine: str) -> dict:
-    from rollplex_jax.weights.sharing import plan_sharing  # here: importing the planner does not load jax
+    from rollplex_jax.weights.classify import plan_sharing  # here: importing the planner does not load jax
 
     rep = plan_sharing(model, mesh, engine=engine).report()
     per = rep.pop("per_device")

@@ -44,7 +44,7 @@ from rollplex_jax.models.attention import KVSource
 from rollplex_jax.models.qwen2_5_vl import packing as P
 from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.layers import layer_params, rematerialise
-from rollplex_jax.models.qwen2_5_vl.text import decoder_layer, embed, final_norm, lm_logits
+from rollplex_jax.models.qwen2_5_vl.text import LayerInputs, decoder_layer, embed, final_norm, lm_logits
 from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
 
 
@@ -153,22 +153,21 @@ def encode_vision(params: dict, cfg: ModelConfig, inputs: ModelInputs, *,
     return vision_forward(params, cfg.vision, inputs.pixel_values, inputs.layout, prog=prog)
 
 
-def _layer_fn(cfg: ModelConfig, prog: ProgramConfig, i: int, p, h, cos, sin, self_valid, prefix, segments):
+def _layer_fn(cfg: ModelConfig, prog: ProgramConfig, i: int, p, h, inp: LayerInputs, prefix):
     """Layer i, with the prefix's boundary KV (whole [L, ...] arrays: sliced here, inside the checkpoint,
     so a remat'd layer keeps no slice of its own as a residual)."""
     extra = [] if prefix is None else [KVSource(prefix.k[i], prefix.v[i], prefix.mask)]
-    return decoder_layer(p, i, h, cos, sin, extra, self_valid, cfg.text, prog=prog, self_segments=segments)
+    return decoder_layer(p, i, h, inp, extra, cfg.text, prog=prog)
 
 
-def _decoder(params, cfg: ModelConfig, h, cos, sin, self_valid, prefix: PrefixState | None, prog: ProgramConfig,
-             segments=None):
-    """Runs all layers on h [B, N, T, D] (tokens' validity [B, N, T], attending to ``prefix``'s KV if given;
-    ``segments`` [B, N, T]: packed rows' segment ids, or None); returns final-normed h, per-layer outputs and
-    (k, v). Unrolled, one checkpoint per layer (module docstring: why not a scan)."""
+def _decoder(params, cfg: ModelConfig, h, inp: LayerInputs, prefix: PrefixState | None, prog: ProgramConfig):
+    """Runs all layers on h [B, N, T, D] (``inp``: rotation, tokens' validity [B, N, T] and packed rows' segment
+    ids; attending to ``prefix``'s KV if given); returns final-normed h, per-layer outputs and (k, v).
+    Unrolled, one checkpoint per layer (module docstring: why not a scan)."""
     hidden, kvs = [], []
     for i in range(cfg.text.num_hidden_layers):
         layer = rematerialise(functools.partial(_layer_fn, cfg, prog, i), prog.remat)
-        h, kv = layer(layer_params(params, f"model.layers.{i}."), h, cos, sin, self_valid, prefix, segments)
+        h, kv = layer(layer_params(params, f"model.layers.{i}."), h, inp, prefix)
         hidden.append(h)
         kvs.append(kv)
     return final_norm(params, h, cfg.text), hidden, kvs
@@ -189,7 +188,7 @@ def _rows_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_em
     else:
         segments = pk.segments[:, None]  # [P, 1, T]
         valid = segments >= 0
-    h, hidden, kvs = _decoder(params, cfg, h, cos[:, None], sin[:, None], valid, None, prog, segments)
+    h, hidden, kvs = _decoder(params, cfg, h, LayerInputs(cos[:, None], sin[:, None], valid, segments), None, prog)
     return h[:, 0], [x[:, 0] for x in hidden], [(k[:, 0], v[:, 0]) for k, v in kvs]
 
 
@@ -245,7 +244,7 @@ def suffix_forward(params: dict, cfg: ModelConfig, state: PrefixState, response_
     h = embed(params, cfg, response_ids, None)
     pos = rope.text_positions(state.next_position, t)[:, :, None, :]  # [3, B, 1, Tr]
     cos, sin = rope.mrope_cos_sin(pos, cfg.text, h.dtype)
-    h, _, _ = _decoder(params, cfg, h, cos, sin, response_mask.astype(bool), state, prog)
+    h, _, _ = _decoder(params, cfg, h, LayerInputs(cos, sin, response_mask.astype(bool)), state, prog)
     return lm_logits(params, h, cfg)
 
 

@@ -13,6 +13,8 @@ H query heads, K kv heads, G = H / K, d head dim, D model width.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -39,15 +41,25 @@ def mlp(p: dict, layer: int, x: jax.Array, cfg: TextConfig) -> jax.Array:
     return linear(jax.nn.silu(gate) * up, p[pre + "down_proj.weight"])
 
 
-def decoder_layer(p: dict, layer: int, h: jax.Array, cos, sin, extra: list[KVSource], self_valid: jax.Array,
-                  cfg: TextConfig, *, prog: ProgramConfig = ProgramConfig(), self_segments: jax.Array | None = None):
+class LayerInputs(NamedTuple):
+    """What every decoder layer of one call reads besides its own hidden states: the M-RoPE rotation (cos, sin)
+    of the block's tokens, which of them are real (``valid`` bool [B, N, T]: its keys are causal), and packed
+    rows' segment ids (``segments`` int [B, N, T], a token sees its own segment's keys only; None unpacked)."""
+
+    cos: jax.Array
+    sin: jax.Array
+    valid: jax.Array
+    segments: jax.Array | None = None
+
+
+def decoder_layer(p: dict, layer: int, h: jax.Array, inp: LayerInputs, extra: list[KVSource], cfg: TextConfig, *,
+                  prog: ProgramConfig = ProgramConfig()):
     """One decoder layer over h [B, N, T, D].
 
     Args:
+      inp: the block's rotation, validity and segments (``LayerInputs``).
       extra: sources attended to before the block's own keys (e.g. a prefix's boundary KV).
-      self_valid: bool [B, N, T], which of the block's own tokens are real (its keys are causal).
       prog: the attention kernel and its block (``ProgramConfig``; remat is applied by the caller).
-      self_segments: int [B, N, T] or None: packed rows' segment ids (a token sees its own segment's keys only).
 
     Returns:
       (h_out [B, N, T, D], (k, v) of this block [B, N, T, K, d]).
@@ -55,8 +67,8 @@ def decoder_layer(p: dict, layer: int, h: jax.Array, cos, sin, extra: list[KVSou
     pre = f"model.layers.{layer}."
     h = constrain_rows(h, (0, 1))
     x = rms_norm(h, p[pre + "input_layernorm.weight"], cfg.rms_norm_eps)
-    q, k, v = qkv_projection(p, layer, x, cos, sin, cfg)
-    own = KVSource(k, v, self_valid, causal=True, segments=self_segments, q_segments=self_segments)
+    q, k, v = qkv_projection(p, layer, x, inp.cos, inp.sin, cfg)
+    own = KVSource(k, v, inp.valid, causal=True, segments=inp.segments, q_segments=inp.segments)
     a = attention(q, [*extra, own], impl=prog.attention, block=prog.attention_block)
     h = h + linear(a, p[pre + "self_attn.o_proj.weight"])
     h = h + mlp(p, layer, rms_norm(h, p[pre + "post_attention_layernorm.weight"], cfg.rms_norm_eps), cfg)
