@@ -223,3 +223,13 @@ def test_calibration_report_by_hand():
     assert rep["speedup"] == pytest.approx({"predicted": 3.0, "measured_median": 3.2, "measured_min": 2.5})
     one = simulator.calibration(sim, {"serial": {"step_s": 0.4, "step_s_min": 0.25}})
     assert "speedup" not in one and set(one["modes"]) == {"serial"}
+    # bench_calibration simulates at the lengths the bench measured (bench_cpu: 77-token prompts with 64 image
+    # tokens, answers of at most 8, 7.5 on average)
+    lengths = {"prompt_length/max": 77.0, "prompt_length/vision_mean": 64.0, "response_length/max": 8.0,
+               "response_length/mean": 7.5}
+    cfg = _config("configs/bench_cpu.flags")
+    rep = simulator.bench_calibration(cfg, hardware.H800, {"serial": {"step_s": 1.0, "step_s_min": 1.0,
+                                                                      "lengths": lengths}})
+    want = simulator.simulate(cfg, hardware.H800, SIM_LENGTHS, response_mean=7.5).schedules["serial"].step_s
+    assert rep["modes"]["serial"]["predicted_s"] == want
+    assert want != simulator.simulate(cfg, hardware.H800).schedules["serial"].step_s  # not the config's maxima
