@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from absl import flags
 
@@ -205,6 +206,14 @@ def test_phase_flops_and_bytes_match_xla(freeze_vision):
             assert abs(ratio - 1) <= SERIAL_BYTES_TOL, (phase, ratio)
         else:
             assert 1 / SPLIT_BYTES_FACTOR <= ratio <= SPLIT_BYTES_FACTOR, (phase, ratio)
+
+
+def test_the_cpu_probe_finds_the_demo_model():
+    """The CPU preset's probes run the demo model of configs/models/demo.json (found from rollplex_jax/sim/, two
+    levels below the repo root since the layout move): vision width 32, text width 64."""
+    mcfg, ids, per_row, grids = hardware._demo_rows(np.random.default_rng(0), 2, side=4)
+    assert (mcfg.vision.hidden_size, mcfg.text.hidden_size) == (32, 64)
+    assert ids.shape == (2, 4 * 4 // 4 + 21) and len(per_row) == 2 and grids.tolist() == [[1, 4, 4]] * 2
 
 
 def test_calibration_report_by_hand():
