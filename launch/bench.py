@@ -18,6 +18,8 @@ Serial's reference and actor phases also carry XLA's FLOPs and the rate they ran
 ``launch/bench_flops.py``). Prints one JSON line last (ARCHITECTURE.md); with --peer_report a second,
 shorter one after it (every mode's step time, tokens per second per device, the fraction of the step that is
 rollout, the ratios to serial).
+With --bench_simulate=PRESET the line also holds ``simulated``: the step-time simulator's prediction of each mode
+beside the measured median and fastest step (``rollplex_jax/sim/report.py``, ``bench_calibration``).
 Writes bench.json (the full line), trace.json per mode and plots/timeline_compare.png (serial vs rollplex
 on one time axis) under --workdir.
 """
@@ -41,6 +43,10 @@ _TOL = flags.DEFINE_float("bench_tolerance", 0.02, "Equivalent when the 99.9th p
 
 _MODES = flags.DEFINE_list("bench_modes", "serial,rollplex,overlap_only,sharing_only",
                            "Modes to run (serial always runs, first: the others are compared with it).")
+_SIMULATE = flags.DEFINE_string("bench_simulate", "", "Also predict the bench with the step-time simulator on this "
+                                "hardware preset (cpu: this machine, probed before the bench and cached in --workdir; "
+                                "H100/H800/H200) and print predicted / measured step times and speedup under "
+                                "\"simulated\" (rollplex_jax/sim/report.py: a reported benchmark, not a test).")
 _PEER = flags.DEFINE_bool("peer_report", False, "Also print the peer-report JSON line last: per mode step_s, "
                           "tokens_per_s_per_device, rollout_frac, and speedup over serial.")
 
@@ -82,6 +88,9 @@ def run_mode(cfg, name: str, steps: int, warmup: int, alone_rollout_s: dict[int,
                for k in ("decode_slowdown_s", "hidden_prefix_s", "exposed_prefix_s", "critical_path_saving_s")
                if per_step and all(k in row for row in per_step.values())}
     result = {"step_s": statistics.median(m["time/step_s"] for m in timed), "phases_s": phases,
+              "step_s_min": min(m["time/step_s"] for m in timed),  # the least disturbed step (shared machines)
+              "lengths": {k: max(m[k] for m in timed) for k in ("prompt_length/max", "prompt_length/vision_mean",
+                                                                "response_length/max", "response_length/mean")},
               "tokens_per_s_per_device": statistics.median(m["perf/throughput"] for m in timed),
               "rollout_frac": statistics.median(m.get("time/rollout_s", 0.0) / m["time/step_s"] for m in timed),
               "padding_frac": statistics.median(m["perf/padding_frac"] for m in timed),
@@ -114,6 +123,12 @@ def main(argv):
     if unknown:
         raise app.UsageError(f"--bench_modes: unknown {sorted(unknown)}; choose from {', '.join(MODES)}")
     modes = [m for m in MODES if m == "serial" or m in _MODES.value]
+    if _SIMULATE.value:  # before the bench: the cpu preset probes this machine while it is quiet
+        from rollplex_jax.sim import hardware, report
+        try:
+            hw = hardware.preset(_SIMULATE.value, workdir=cfg.run.workdir, torch_threads=cfg.rollout.torch_threads)
+        except ValueError as e:
+            raise app.UsageError(f"--bench_simulate: {e}") from None
     results, params, spans, alone = {}, {}, {}, None
     for name in modes:  # serial first: its rollouts are the alone times of the others'
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
@@ -139,6 +154,8 @@ def main(argv):
         "max_param_rel_diff": max(diffs.values(), default=0.0),  # per-tensor ||a - b|| / ||b||, for reference
         "param_rel_diff": diffs,
     }
+    if _SIMULATE.value:
+        out["simulated"] = report.bench_calibration(cfg, hw, results)
     with open(os.path.join(cfg.run.workdir, "bench.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(out))

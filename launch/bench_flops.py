@@ -16,7 +16,7 @@ def serial_phase_rates(runner, phases_s: dict[str, float]) -> dict[str, dict[str
     import numpy as np
 
     from rollplex_jax.data import dataset as data_lib
-    from rollplex_jax.programs.costs import serial_phase_costs
+    from rollplex_jax.programs.costs import PhasePrograms, serial_phase_costs
     from rollplex_jax.programs.sequences import micro_batches
     from rollplex_jax.rl import losses
 
@@ -26,7 +26,7 @@ def serial_phase_rates(runner, phases_s: dict[str, float]) -> dict[str, dict[str
     weights = losses.token_weights(jnp.asarray(ro.mask.reshape(b * g, tr)), cfg.rl.loss_agg)
     use_ref = cfg.rl.uses_reference
     state = runner.state
-    costs = serial_phase_costs(cfg.model, cfg.rl, cfg.optim, cfg.programs, state.params,
+    costs = serial_phase_costs(PhasePrograms.of(cfg), state.params,
                                state.ref_params if use_ref else state.params,
                                micro_batches(cfg.model, prompts, ro, cfg.rl.micro_batch,
                                              pack=cfg.programs.packing), weights,

@@ -225,7 +225,7 @@ def main(argv):
     import numpy as np
 
     from rollplex_jax.models.qwen2_5_vl.params import init_params
-    from rollplex_jax.programs.costs import ZERO, program_costs, serial_phase_costs
+    from rollplex_jax.programs.costs import ZERO, PhasePrograms, program_costs, serial_phase_costs
 
     cfg = launch_flags.config_from_flags(flags.FLAGS)
     params = init_params(cfg.model, jax.random.key(cfg.run.seed))
@@ -241,7 +241,7 @@ def main(argv):
         diff = np.abs(np.asarray(extra["ref"]) - passes["torch_reference"]().numpy()).max()
         out["max_abs_logp_diff_jax_torch"] = float(diff)
     out["passes"] = time_interleaved(passes, _REPEATS.value)
-    phases = serial_phase_costs(cfg.model, cfg.rl, cfg.optim, cfg.programs, params, params, extra["mbs"],
+    phases = serial_phase_costs(PhasePrograms.of(cfg), params, params, extra["mbs"],
                                 extra["weights"], extra["adv"], None, extra["ref"])
     for name, phase in (("jax_reference", "reference"), ("jax_actor", "actor")):
         timed = sum((program_costs(fn, *args) for fn, args in extra["calls"][name]), ZERO)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from launch.api import config_from_flagfile
@@ -16,27 +19,63 @@ from tests.paths import REPO
 LENGTHS = planner.Lengths(prompt_tokens=24, vision_tokens=4, response_tokens=3)
 
 
+def _nbytes(*arrays) -> int:
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in arrays)
+
+
 @pytest.mark.parametrize("schedule", ["rollplex", "serial"])
 def test_every_program_of_a_step_compiles_and_reports_bytes(schedule):
+    """XLA's bytes of each program against figures known without XLA (tiny_cpu on one device, B = 16 prompts
+    x G = 8 answers in one micro-batch, rows of 24 prompt tokens (4 image tokens = 16 patches) + 3 answer tokens):
+    params P = 151,424 fp32 (planner.param_counts) = 605,696 B; AdamW state 2 P + two int32 step counts; a
+    program's arguments are its inputs' bytes (every model input but ``next_position``, the decode's, and
+    ``frame_gather``, videos', which the programs do not read; a traced prompt length is 4 B); its outputs the
+    arrays it returns (a tuple adds XLA's table of 8 B per element)."""
     cfg = config_from_flagfile("configs/tiny_cpu.flags", schedule=schedule, kl_coef=0.1)
     c = aot.compiled_memory(cfg, LENGTHS)
     want = {"rollplex": {"actor_prefix", "ref_prefix", "suffix_logp", "suffix_grads", "prefix_vjp", "clip",
                          "update_chunk"},
             "serial": {"ref_logprobs", "grad", "clip", "update_chunk"}}[schedule]
     assert set(c.programs) == want
-    for name, pb in c.programs.items():
-        assert pb.argument > 0 and pb.total >= pb.temp, name
     assert set(c.phase_bytes) == {"rollout", "score", "train", "update"}
-    params = aot.device_bytes(aot.Abstract(cfg).params)
-    assert all(b >= params for b in c.phase_bytes.values())  # the weights are on the device in every phase
+    A, pr = aot.Abstract(cfg), c.programs
+    P = planner.param_counts(cfg).total * 4
+    opt = 2 * P + 2 * 4
+    assert P == aot.device_bytes(A.params) == 605_696 and c.live_bytes["train"]["optimizer_state"] == opt
+    assert all(b >= P for b in c.phase_bytes.values())  # the weights are on the device in every phase
+    assert pr["clip"].argument == P  # the gradients
+    assert pr["update_chunk"].argument == P + opt + P + 1  # params, Adam state, clipped gradients, all-finite flag
+    assert pr["update_chunk"].alias == P + opt  # params and state donated: updated in place
+
+    def reads(inputs):  # the model inputs a program reads
+        return _nbytes(*jax.tree.leaves(inputs)) - _nbytes(inputs.next_position, inputs.layout["frame_gather"])
+
+    if schedule == "serial":
+        rows, tr = 16 * 8, 3
+        x, logp = reads(A.inputs(rows, 24, 4, tr)), rows * tr * 4
+        assert pr["ref_logprobs"].argument == P + x + 2 * rows * tr * 4 + 4  # + answer ids and mask, prompt length
+        assert pr["ref_logprobs"].output == logp  # fp32 log-probs [128, 3]
+        # + answer ids, token weights, advantages [128], reference log-probs
+        assert pr["grad"].argument == P + x + 3 * logp + rows * 4 + 4
+        assert P < pr["grad"].output <= P + 1024  # the gradients + the loss and its metric scalars
+        # the score phase holds, beside the reference program, the actor's weights and its Adam state
+        assert c.phase_bytes["score"] == pr["ref_logprobs"].total + P + opt
+    else:
+        x = reads(A.inputs(16, 24, 4, 0))
+        kv = 2 * 2 * 16 * 24 * 2 * 16 * 4  # (k, v) x 2 layers x 16 prompts x 24 tokens x 2 kv heads x 16 x fp32
+        last = 16 * 32 * 4  # the last prompt token's logits over the 32-token vocabulary
+        for name in ("actor_prefix", "ref_prefix"):
+            assert pr[name].argument == P + x, name
+        assert kv + last <= pr["ref_prefix"].output <= kv + last + 3 * 8
+        residuals = c.live_bytes["rollout"]["prefix_residuals"]  # the kept vjp residuals' shapes (JAX's)
+        assert kv + last + residuals <= pr["actor_prefix"].output <= kv + last + residuals + 1024
+        assert pr["suffix_logp"].output == 16 * 8 * 3 * 4  # fp32 log-probs [16, 8, 3]
+        assert P <= pr["prefix_vjp"].output <= P + 8 * len(A.params)  # the prefix's parameter gradients
 
 
 def test_the_saved_prefix_state_holds_no_weights():
     """The actor prefix's vjp residuals without the parameters: every linear weight the backward reads is
     taken from the params passed to the prefix vjp, not copied into the saved state (issue 17)."""
-    import jax
-    import numpy as np
-
     from rollplex_jax.models.qwen2_5_vl import model as M
     from rollplex_jax.models.qwen2_5_vl.params import param_shapes
     from rollplex_jax.programs.split import ResidualPrefix
@@ -51,10 +90,13 @@ def test_the_saved_prefix_state_holds_no_weights():
     linear = {k for k, v in params.items() if len(v.shape) == 2 and k.endswith(".weight") and "norm" not in k
               and "embed_tokens" not in k}
     assert linear <= set(filter(None, names))  # all of them taken from the params
-    kept = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(out[3]))
-    assert kept + sum(int(np.prod(params[k].shape)) * params[k].dtype.itemsize for k in linear) \
-        <= sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(
-            jax.eval_shape(lambda p: jax.vjp(lambda q: M.prefix_forward(q, cfg, inputs)[1], p)[1], params)))
+    kept = jax.tree.leaves(out[3])
+    shapes = {(tuple(v.shape), v.dtype) for v in params.values()}
+    assert not [x.shape for x in kept if (tuple(x.shape), x.dtype) in shapes]  # no residual is a weight
+    # jax.vjp's own residuals are exactly the kept ones plus the parameters the backward reads
+    plain = jax.tree.leaves(jax.eval_shape(lambda p: jax.vjp(lambda q: M.prefix_forward(q, cfg, inputs)[1], p)[1],
+                                           params))
+    assert _nbytes(*plain) == _nbytes(*kept) + _nbytes(*(params[k] for k in dict.fromkeys(filter(None, names))))
 
 
 def test_a_mesh_divides_the_per_device_bytes():
@@ -63,6 +105,9 @@ def test_a_mesh_divides_the_per_device_bytes():
                                                     train_tp=2), LENGTHS)
     assert four.live_bytes["train"]["compute_weights"] < one.live_bytes["train"]["compute_weights"] / 2
     assert four.programs["suffix_grads"].argument < one.programs["suffix_grads"].argument
+    # XLA's argument bytes of the clip (the gradients) are the shards JAX's param shardings give each device
+    assert one.programs["clip"].argument == one.live_bytes["train"]["compute_weights"] == 605_696
+    assert four.programs["clip"].argument == four.live_bytes["train"]["compute_weights"]
 
 
 def test_launch_plan_compile_prints_compiled_and_planned_vs_compiled():
@@ -73,14 +118,17 @@ def test_launch_plan_compile_prints_compiled_and_planned_vs_compiled():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert {"layouts", "compiled", "planned_vs_compiled"} <= set(out)
     assert set(out["planned_vs_compiled"]) == {"rollout", "score", "train", "update"}
-    assert all(v["total_bytes"] > 0 for v in out["compiled"].values())
+    for name, v in out["compiled"].items():
+        assert v["total_bytes"] == v["temp_bytes"] + v["argument_bytes"] + v["output_bytes"] - v["alias_bytes"], name
+    assert out["compiled"]["clip"]["argument_bytes"] == 605_696  # the gradients: 151,424 fp32 parameters
 
 
 def test_cpu_compiles_16_bit_matmuls_as_a_gpu_would():
-    """On CPU, XLA upcasts bf16 matmuls to fp32 and keeps the converted weights as temporaries; the compile
-    stand-in (float16, same bytes, with ``change-op-data-type`` off) does not. A two-matmul gradient whose
-    weights are 16 MiB: as-is 44 MiB of temp (fp32 copies), with the stand-in 5 MiB (the [512, 4096]
-    hidden activation and its gradient)."""
+    """On CPU, XLA upcasts bf16 matmuls to fp32 and keeps the converted inputs as temporaries; the compile
+    stand-in (float16, same bytes, with ``change-op-data-type`` off) does not. A two-matmul gradient (w1
+    [1024, 4096], w2 [4096, 1024], x [512, 1024]): the stand-in's temporaries are the fp32 program's at half the
+    bytes (5 MiB = 10 / 2), bfloat16 as-is holds the fp32 program's plus fp32 copies of its three inputs
+    (10 + 16 + 16 + 2 = 44 MiB)."""
     import jax
     import jax.numpy as jnp
 
@@ -96,5 +144,6 @@ def test_cpu_compiles_16_bit_matmuls_as_a_gpu_would():
         args = (S((1024, 4096), dtype), S((4096, 1024), dtype), S((512, 1024), dtype))
         return aot.compile_program(f, *args, options=opts)[0].temp
 
-    as_is, stand_in = temp(jnp.bfloat16, None), temp(jnp.float16, options)
-    assert stand_in < 0.25 * as_is, (stand_in, as_is)
+    as_is, stand_in, f32 = temp(jnp.bfloat16, None), temp(jnp.float16, options), temp(jnp.float32, None)
+    assert stand_in == f32 // 2, (stand_in, f32)
+    assert as_is == f32 + 4 * (1024 * 4096 + 4096 * 1024 + 512 * 1024), (as_is, f32)

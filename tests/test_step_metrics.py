@@ -1,4 +1,7 @@
-"""The verl / EasyR1 per-step metrics (step_metrics.py) on tiny runs, hand-computed from the step's rollouts."""
+"""The verl / EasyR1 per-step metrics (step/metrics.py): each function against figures worked out by hand, and a
+tiny run's metrics against what its step held (its rollouts, prompts and reward parts)."""
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -29,18 +32,17 @@ def test_metrics_of_a_tiny_step_match_its_rollouts(tmp_path, schedule):
     assert m["response_length/clip_ratio"] == pytest.approx(np.mean(cut))
     assert m["response_length/clip_ratio"] == pytest.approx(np.mean(ro.lengths == r.cfg.rollout.max_new_tokens))
 
-    prompt_len = [len(e.prompt_ids) for e in examples]  # real tokens, before any padding
-    vision = [int(np.sum(e.prompt_ids == r.cfg.model.image_token_id)) for e in examples]
-    assert (m["prompt_length/mean"], m["prompt_length/max"]) == (np.mean(prompt_len), max(prompt_len))
-    assert m["prompt_length/vision_mean"] == np.mean(vision) and min(vision) > 0
-
-    tokens = sum(prompt_len) * g + int(ro.lengths.sum())
+    # Every prompt of the tiny colour task holds 17 real tokens: a 56 x 56 image = 4 x 4 patches = 4 merged
+    # image pads, and 13 of the chat template and the question; B = 2 prompts, G = 4 answers each.
+    assert [len(e.prompt_ids) for e in examples] == [17, 17] and g == 4
+    assert (m["prompt_length/mean"], m["prompt_length/max"], m["prompt_length/vision_mean"]) == (17.0, 17.0, 4.0)
+    tokens = 2 * 4 * 17 + int(ro.lengths.sum())  # each answer counts its prompt
     assert m["perf/total_num_tokens"] == tokens
     assert m["perf/time_per_step"] == m["timing_s/step"] == m["time/step_s"]
     assert m["perf/throughput"] == pytest.approx(tokens / m["time/step_s"] / jax.device_count())
-    # the HF engine prefills each prompt once for its G answers (tiny_cpu: max_batch holds whole groups)
-    assert m["rollout/prefill_tokens"] == sum(prompt_len)
-    assert m["rollout/prefill_shared_frac"] == pytest.approx(1 - 1 / g)
+    # the HF engine prefills each prompt once for its 4 answers (tiny_cpu: max_batch holds whole groups): 2 x 17
+    # tokens of the 8 x 17 its answers hold, 3/4 shared
+    assert (m["rollout/prefill_tokens"], m["rollout/prefill_shared_frac"]) == (34.0, 0.75)
     phases = [k[len("time/"):-len("_s")] for k in m if k.startswith("time/") and k != "time/step_s"]
     assert {"rollout", "reward"} <= set(phases)
     for p in phases:
@@ -61,22 +63,40 @@ def test_metrics_of_a_tiny_step_match_its_rollouts(tmp_path, schedule):
 
 
 def test_metric_functions_by_hand():
+    """Each metric function on a 2-prompt, 2-answer example, against figures worked out by hand."""
     model = tiny_model_config()
     img, vid, pad = model.image_token_id, model.video_token_id, model.pad_token_id
+    # prompt 0: 2 pads then 4 real tokens (2 image pads); prompt 1: 6 real tokens (1 image pad, 3 video pads)
     prompts = Prompts(input_ids=np.array([[pad, pad, 5, img, img, 6], [7, img, vid, vid, vid, 8]], np.int32),
                       attention_mask=np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], np.int32))
     ro = Rollouts(response_ids=np.zeros((2, 2, 4), np.int32), lengths=np.array([[4, 1], [2, 4]]),
-                  finish_reasons=[["length", "stop"], ["stop", "length"]], logprobs=np.zeros((2, 2, 4), np.float32))
+                  finish_reasons=[["length", "stop"], ["stop", "length"]], logprobs=np.zeros((2, 2, 4), np.float32),
+                  prefill_tokens=10)
     got = step_metrics.length_metrics(model, prompts, ro)
+    # answers 4, 1, 2, 4: mean 11 / 4 = 2.75; two of four cut ("length"); prompts 4 and 6 real tokens: mean 5;
+    # vision pads 2 and 4: mean 3
     assert got == {"response_length/mean": 2.75, "response_length/max": 4.0, "response_length/min": 1.0,
                    "response_length/clip_ratio": 0.5, "prompt_length/mean": 5.0, "prompt_length/max": 6.0,
-                   "prompt_length/vision_mean": 3.0}  # (2 + 4) / 2 vision pads
-    assert step_metrics.total_tokens(prompts, ro) == (4 + 6) * 2 + 11
+                   "prompt_length/vision_mean": 3.0}
+    # every answer counts its prompt: (4 + 6) x 2 answers + (4 + 1 + 2 + 4) = 20 + 11
+    assert step_metrics.total_tokens(prompts, ro) == 31
+    # the engine prefilled 10 tokens = each prompt once, of the 20 its 4 answers hold: half of them shared
+    assert step_metrics.prefill_metrics(prompts, ro) == {"rollout/prefill_tokens": 10.0,
+                                                         "rollout/prefill_shared_frac": 0.5}
+    assert step_metrics.prefill_metrics(prompts, dataclasses.replace(ro, prefill_tokens=20)) == {
+        "rollout/prefill_tokens": 20.0, "rollout/prefill_shared_frac": 0.0}  # every answer prefilled its own
+    assert step_metrics.prefill_metrics(prompts, dataclasses.replace(ro, prefill_tokens=-1)) == {}  # not reported
+    # 31 real tokens in 48 left-padded slots, 40 slots run packed: 1 - 31/40 and 1 - 31/48
+    assert step_metrics.padding_metrics([31, 48, 40]) == {"perf/padding_frac": pytest.approx(9 / 40),
+                                                          "perf/padding_frac_unpacked": pytest.approx(17 / 48)}
+    # 62 tokens in 2 s on 4 devices: 7.75 tokens per second per device
     t = step_metrics.timing_metrics({"rollout": 1.5}, 2.0, 62, 4)
     assert t == {"time/rollout_s": 1.5, "timing_s/rollout": 1.5, "time/step_s": 2.0, "timing_s/step": 2.0,
-                 "perf/time_per_step": 2.0, "perf/total_num_tokens": 62.0, "perf/throughput": 62 / 2.0 / 4}
+                 "perf/time_per_step": 2.0, "perf/total_num_tokens": 62.0, "perf/throughput": 7.75}
     rm = step_metrics.reward_metrics(np.array([[1.0, 0.0], [0.5, 0.5]]), {"format": np.array([[1, 0], [1, 1]]),
                                                                           "mean": np.array([[3, 3], [3, 3]])}, 2)
-    assert rm == {"reward/mean": 0.5, "reward/std": pytest.approx(np.std([1, 0, 0.5, 0.5])), "reward/overall": 0.5,
+    # scores 1, 0, 0.5, 0.5: mean 0.5, deviations +-0.5, 0, 0: variance 0.5 / 4 = 0.125 (population std, as
+    # numpy's and verl's); the part named "mean" goes to reward/part/mean, not over reward/mean
+    assert rm == {"reward/mean": 0.5, "reward/std": pytest.approx(0.125 ** 0.5), "reward/overall": 0.5,
                   "reward/failures": 2.0, "critic/score/mean": 0.5, "critic/score/max": 1.0,
                   "critic/score/min": 0.0, "reward/format": 0.75, "reward/part/mean": 3.0}

@@ -7,13 +7,16 @@ and the CPU probe; its docstring lists the datasheet numbers, efficiency factors
 measure this CPU). Where each part lives (each module's docstring has its equations):
 
 - ``costs``: what one program costs (FLOPs, elementwise / attention bytes, kernel launches,
-  communication: ``Cost``, ``text_forward``, ``vision_forward``, ``backward_of``) and its time on a
+  communication: ``Cost``, ``text_forward_cost``, ``vision_forward_cost``, ``backward_of``) and its time on a
   device (``time_of``), with the dense program model's constants measured against XLA;
 - ``phases``: the seconds of each phase (rollout, reference and actor, update, weight sync, host
-  input assembly) for one step's ``Setup`` on a pool of devices;
+  input assembly) for one step's ``Setup`` on a pool of devices; the reference and actor phases from their
+  programs' costs (``training_costs``: per phase, ``Work`` = a cost per call and the calls), which
+  tests/test_simulator.py checks against XLA's counts of the same programs;
 - ``schedules``: the phases on a timeline per schedule (serial, rollplex, overlap_only, sharing_only,
   disaggregated), ``overlap_stage`` (the prefix beside the decode) and ``simulate()``;
-- ``report``: ``table``, ``plot``, ``sweep`` and ``sweep_table``.
+- ``report``: ``table``, ``plot``, ``sweep`` and ``sweep_table``; ``calibration`` / ``bench_calibration``: a
+  bench run's measured step times beside the prediction (``launch.bench --bench_simulate``).
 """
 
 from rollplex_jax.sim.costs import (
@@ -27,12 +30,12 @@ from rollplex_jax.sim.costs import (
     OPS_PER_LAYER,
     Cost,
     backward_of,
-    text_forward,
+    text_forward_cost,
     time_of,
-    vision_forward,
+    vision_forward_cost,
 )
-from rollplex_jax.sim.phases import Setup, WeightSync, weight_sync
-from rollplex_jax.sim.report import TABLE_SCHEDULES, plot, sweep, sweep_table, table
+from rollplex_jax.sim.phases import Setup, WeightSync, Work, training_costs, weight_sync
+from rollplex_jax.sim.report import TABLE_SCHEDULES, bench_calibration, calibration, plot, sweep, sweep_table, table
 from rollplex_jax.sim.schedules import (
     PHASES,
     SCHEDULES,
@@ -46,7 +49,7 @@ from rollplex_jax.sim.schedules import (
 __all__ = [
     "DENSE_ATT_BWD", "DENSE_EW_BWD", "DENSE_TEXT_ATT_FWD", "DENSE_TEXT_EW", "DENSE_VIS_ATT_FWD", "DENSE_VIS_EW",
     "FLASH_EW_BWD", "OPS_PER_LAYER", "PHASES", "SCHEDULES", "TABLE_SCHEDULES",
-    "Cost", "Schedule", "Setup", "Simulation", "WeightSync",
-    "backward_of", "build_schedule", "overlap_stage", "plot", "simulate", "sweep", "sweep_table", "table",
-    "text_forward", "time_of", "vision_forward", "weight_sync",
+    "Cost", "Schedule", "Setup", "Simulation", "WeightSync", "Work",
+    "backward_of", "bench_calibration", "build_schedule", "calibration", "overlap_stage", "plot", "simulate", "sweep",
+    "sweep_table", "table", "text_forward_cost", "time_of", "training_costs", "vision_forward_cost", "weight_sync",
 ]

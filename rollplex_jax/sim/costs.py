@@ -4,16 +4,21 @@ Cost of a program (per device): t = F / (peak x mfu) + E / ew_bw + A / att_bw + 
 (a backward's E + A at ``hw.backward_bw`` where the preset measures one: the CPU preset; with a
 measured ``bw_curve`` one rate for all the bytes of a call, ``Hardware.bytes_rate``), with
 - F: matmul FLOPs. Forward per text token 2 x (linear params of the decoder layers) + attention
-  4 H d tk_avg per layer (causal self part averaged: tk_avg = keys before it + t/2), lm head 2 D V per
-  token whose logits are needed; per vision patch the patch embedding 2 x patch_dim x Dv, 2 x (linear
-  params of a block) x depth + 4 dv s (s: patches it attends: the window, full-attention blocks the
-  image); merger 2 x its params per merged token. Backward = 2 x forward FLOPs (1 x for the patch
-  embedding: no input gradient); ``remat='layer'`` adds one forward.
+  4 H d tk per layer, lm head 2 D V per token whose logits are needed; tk = keys before the call + the
+  call's own: flash kernels skip the masked half of the causal part (tk = past + t/2 on average), dense
+  programs compute every score, masked ones too (tk = past + t); per vision patch the patch embedding
+  2 x patch_dim x Dv, 2 x (linear params of a block) x depth + 4 dv s (s: patches it attends: the window,
+  full-attention blocks the image); merger 2 x its params per merged token. Backward = 2 x forward FLOPs
+  (1 x for the patch embedding: no input gradient); ``remat='layer'`` adds one forward. These are the
+  dot_general FLOPs of the real dense programs, exactly (tests/test_simulator.py); XLA's own count adds
+  the elementwise work (4-7% more at bench_cpu's shapes), which the time model covers by its bytes.
 - E, A: elementwise and attention-score bytes. Flash programs (GPU at scale): per token per layer
   (10 D + 4 F) x dtype bytes (norms, residuals, SwiGLU, rotary), per patch per block (10 dv + 4 Fv) x b
   + the pixels read (patch_dim x 4 B), A = 0; backward FLASH_EW_BWD x forward. Dense programs (``--attention=dense
   --remat=none``, the CPU preset): the bytes XLA's cost_analysis() counts, DENSE_* constants below
-  (measured by compiling the real programs; tests/test_simulator.py checks them within 20%).
+  (measured by compiling the real programs; tests/test_simulator.py holds them within 15% of XLA on the
+  full-sequence programs, within a factor of 2 on the split ones: at their few rows XLA fuses otherwise).
+  The actor's prefix with saved residuals also writes them (``planner.prefix_residual_bytes``).
 - ops: kernels per layer (forward 16, backward 2x), per vision block 16, x micro-batches.
 - comm (training): TP all-reduces 4 (tp-1)/tp x tokens x D x b per layer forward (x2 backward) over
   NVLink; FSDP all-gather of the weights per forward and backward, reduce-scatter of gradients.
@@ -39,7 +44,10 @@ OPS_PER_LAYER = 16
 # - the rest, per token and layer: 2.8 x (10 D + 4 F) x dtype bytes; per patch and block 2.1 x
 #   (10 Dv + 4 Fv) x dtype bytes, plus the patch embedding's pixel read (patch_dim x 4 B, fp32 pixels);
 # - backward of the rest: 3.3 x its forward's bytes.
-# Together these reproduce cost_analysis() of every bench_cpu program within ~15% (tests/test_simulator.py).
+# Together these reproduce cost_analysis() of bench_cpu's full-sequence programs within 5% (0.96-1.00, 2026-12);
+# the split (rollplex) programs run few rows (B prompts), where XLA fuses otherwise and counts more bytes than
+# this linear model (0.56-0.85 of XLA; the vision tower's bytes per 256-patch image are 8.2 MB at 1-4 images,
+# 5.5 MB at 8, 4.9 MB at 32): tests/test_simulator.py holds those within a factor of 2.
 # The flash model (GPU at scale: fused kernels) keeps the bytes fused kernels touch: (10 D + 4 F) b per
 # token and layer, no score tensors.
 DENSE_TEXT_ATT_FWD, DENSE_VIS_ATT_FWD, DENSE_ATT_BWD = 32, 16, 56
@@ -93,15 +101,15 @@ def _vision_linear_block(cfg: Config) -> float:
     return 4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size
 
 
-def text_forward(cfg: Config, rows: float, t: float, past: float, logits_tokens: float, pm: ProgramModel,
-                 saved: bool = False) -> Cost:
-    """Decoder forward over rows x t tokens attending ``past`` earlier keys + causal self (whole model).
-    ``saved`` is kept for callers (the dense model's backward bytes include what the forward saves)."""
+def text_forward_cost(cfg: Config, rows: float, t: float, past: float, logits_tokens: float,
+                      pm: ProgramModel) -> Cost:
+    """Decoder forward over rows x t tokens attending ``past`` earlier keys + causal self (whole model)."""
     x, b = cfg.model.text, DTYPE_BYTES[cfg.model.dtype]
     L, D, F, H, d, V = (x.num_hidden_layers, x.hidden_size, x.intermediate_size, x.num_attention_heads,
                         x.head_dim, x.vocab_size)
     tok = rows * t
-    flops = tok * L * (2 * text_linear(cfg) + 4 * H * d * (past + t / 2)) + rows * logits_tokens * 2 * D * V
+    keys = past + (t if pm.attention == "dense" else t / 2)  # dense: the masked scores are computed too
+    flops = tok * L * (2 * text_linear(cfg) + 4 * H * d * keys) + rows * logits_tokens * 2 * D * V
     ew = tok * L * (10 * D + 4 * F) * b + rows * logits_tokens * V * 4 * 3
     att = 0.0
     if pm.attention == "dense":
@@ -110,10 +118,9 @@ def text_forward(cfg: Config, rows: float, t: float, past: float, logits_tokens:
     return Cost(flops, ew, L * OPS_PER_LAYER + 8, att_bytes=att * DENSE_TEXT_ATT_FWD, att_elems=att)
 
 
-def vision_forward(cfg: Config, images: float, patches_per_image: float, pm: ProgramModel, saved: bool = False,
-                   per_call_images: float | None = None) -> Cost:
-    """Vision tower over ``images`` images of n patches (``per_call_images`` and ``saved`` are kept for
-    callers; attention is per window / per image in every program model)."""
+def vision_forward_cost(cfg: Config, images: float, patches_per_image: float, pm: ProgramModel) -> Cost:
+    """Vision tower over ``images`` images of n patches (attention per window / per image in every program
+    model)."""
     if images <= 0 or patches_per_image <= 0:
         return Cost()
     v, b = cfg.model.vision, DTYPE_BYTES[cfg.model.dtype]

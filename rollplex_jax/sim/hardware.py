@@ -48,8 +48,9 @@ shared machine only ever slow a run down) with probes:
 Not probed: ``host_step_s`` = CPU_HOST_STEP_S (bind + release + rewards + bookkeeping, from the bench's
 own host spans, not from any step time). The MFU factors are 1 on the CPU preset (the probes measure
 achieved rates); on CPU the prefix programs are dispatched before ``generate``, so they overlap the
-engine's prefill and vision too (``overlap_window='rollout'``). Calibration: tests/test_simulator.py
-predicts launch.bench on bench_cpu from these probes alone (no constant is fitted to the bench).
+engine's prefill and vision too (``overlap_window='rollout'``). Calibration (a reported benchmark, not a test):
+``launch.bench --flagfile=configs/bench_cpu.flags --bench_simulate=cpu`` predicts the bench from these probes
+alone (no constant is fitted to the bench) and prints predicted / measured per mode.
 """
 
 from __future__ import annotations
@@ -427,6 +428,6 @@ def _torch_decode_probe(torch_threads: int, rows: int = 32, prompt: int = 38, xl
 
 
 def _demo_hf_config() -> dict:
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models", "demo.json")  # the repo's
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models", "demo.json")
     with open(path) as f:
         return json.load(f)

@@ -56,6 +56,7 @@ from rollplex_jax.memory.planner import (
     PlanMesh,
     ProgramModel,
     param_counts,
+    prefix_residual_bytes,
     sharing_classification,
 )
 from rollplex_jax.sim.costs import (
@@ -64,9 +65,9 @@ from rollplex_jax.sim.costs import (
     backward_of,
     comm_bytes,
     n_tensors,
-    text_forward,
+    text_forward_cost,
     time_of,
-    vision_forward,
+    vision_forward_cost,
 )
 from rollplex_jax.sim.hardware import Hardware
 
@@ -131,8 +132,8 @@ def rollout(s: Setup, n_dev: int) -> tuple[float, float, float]:
     prompts = math.ceil(cfg.rl.batch_prompts / replicas)
     waves = math.ceil(rows / cfg.rollout.max_batch)
     rtp = s.mesh.rollout_tp
-    pf = text_forward(cfg, prompts, Tp, 0, 1, DEFAULT_PROGRAMS)  # engines use flash kernels
-    vis = vision_forward(cfg, prompts if Tv else 0, n_img, DEFAULT_PROGRAMS)
+    pf = text_forward_cost(cfg, prompts, Tp, 0, 1, DEFAULT_PROGRAMS)  # engines use flash kernels
+    vis = vision_forward_cost(cfg, prompts if Tv else 0, n_img, DEFAULT_PROGRAMS)
     t_pf = hw.prefill_fixed_s * waves + pf.flops / (rtp * hw.flops(dt) * hw.mfu_prefill) \
         + pf.ew_bytes / rtp / hw.ew_bw
     t_vis = (prompts if Tv else 0) * hw.engine_image_s
@@ -154,56 +155,81 @@ def _tp_time(s: Setup, c: Cost, tp: int, mfu: float, backward: bool = False) -> 
                    backward=backward)
 
 
-def serial_training(s: Setup, n_dev: int, tm: PlanMesh) -> dict:
-    """Reference and actor seconds over full sequences, one micro-batch per program (serial schedule)."""
-    cfg, hw, pm = s.cfg, s.hw, s.pm
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Part of a phase on one device: ``calls`` program calls of ``cost`` each (a call's bytes set the byte rate
+    on a measured curve), timed at the forward or, ``backward``, the backward efficiency and byte rate."""
+
+    cost: Cost
+    calls: int = 1
+    backward: bool = False
+
+    @property
+    def total(self) -> Cost:
+        return self.cost.scale(self.calls)
+
+
+def serial_costs(s: Setup, n_dev: int, tm: PlanMesh) -> dict[str, tuple[Work, ...]]:
+    """Reference and actor work over full sequences, one micro-batch per program call (serial schedule)."""
+    cfg, pm = s.cfg, s.pm
     Tp, Tv, Tr = s.lengths.prompt_tokens, s.lengths.vision_tokens, s.lengths.response_tokens
     n_mb = max(1, math.ceil(s.rows / min(cfg.rl.micro_batch, s.rows)))
     rows_mb = s.rows / n_mb / (n_dev // tm.tp)  # rows per device per micro-batch
     t_full = Tp + Tr
-    fwd = text_forward(cfg, rows_mb, t_full, 0, Tr, pm) + vision_forward(cfg, rows_mb if Tv else 0, s.patches, pm)
+    fwd = text_forward_cost(cfg, rows_mb, t_full, 0, Tr, pm) \
+        + vision_forward_cost(cfg, rows_mb if Tv else 0, s.patches, pm)
     fwd = dataclasses.replace(fwd, comm_bytes=comm_bytes(cfg, tm, rows_mb * t_full, s.counts.total, 1))
-    return {
-        "reference": n_mb * _tp_time(s, fwd, tm.tp, hw.mfu_forward) if s.use_ref else 0.0,
-        "actor_fwd": n_mb * _tp_time(s, fwd, tm.tp, hw.mfu_forward),
-        "actor_bwd": n_mb * _tp_time(s, backward_of(fwd, pm, cfg), tm.tp, hw.mfu_backward, True),
-    }
+    return {"reference": (Work(fwd, n_mb),) if s.use_ref else (), "actor_fwd": (Work(fwd, n_mb),),
+            "actor_bwd": (Work(backward_of(fwd, pm, cfg), n_mb, backward=True),)}
 
 
-def rollplex_training(s: Setup, n_dev: int, sharing: bool, tm: PlanMesh) -> dict:
-    """Prefix (vision, actor, reference), suffix and backward seconds of the split programs, with one prefix
-    per prompt (``sharing``) or one per answer."""
-    cfg, hw, pm = s.cfg, s.hw, s.pm
+def rollplex_costs(s: Setup, n_dev: int, sharing: bool, tm: PlanMesh) -> dict[str, tuple[Work, ...]]:
+    """Prefix (vision, actor, reference), suffix and backward work of the split programs, with one prefix per
+    prompt (``sharing``) or one per answer.
+
+    The vision tower runs once per prefix program: with ``--freeze_vision`` one shared encoding (``vision``);
+    otherwise inside the actor's prefix (``vision``) and again inside the reference's, on its own weights
+    (``ref_prefix``). The actor's prefix with ``--actor_prefix=residuals`` also writes its vjp residuals
+    (``planner.prefix_residual_bytes``), which its backward reads."""
+    cfg, pm = s.cfg, s.pm
     Tp, Tv, Tr = s.lengths.prompt_tokens, s.lengths.vision_tokens, s.lengths.response_tokens
     bs = n_dev // tm.tp
     rows_p = (cfg.rl.batch_prompts if sharing else s.rows) / bs
     vis_in = not cfg.optim.freeze_vision
-    vis = vision_forward(cfg, rows_p if Tv else 0, s.patches, pm, saved=vis_in)
-    pre = text_forward(cfg, rows_p, Tp, 0, 1, pm, saved=True)  # the actor's and the reference's prefix
+    vis = vision_forward_cost(cfg, rows_p if Tv else 0, s.patches, pm)
+    pre = text_forward_cost(cfg, rows_p, Tp, 0, 1, pm)  # the actor's and the reference's prefix
     pre = dataclasses.replace(pre, comm_bytes=comm_bytes(cfg, tm, rows_p * Tp, s.text_params, 1))
     rows_s = s.rows / bs
-    suf = text_forward(cfg, rows_s, Tr, Tp, Tr, pm)
+    suf = text_forward_cost(cfg, rows_s, Tr, Tp, Tr, pm)
     suf = dataclasses.replace(suf, comm_bytes=comm_bytes(cfg, tm, rows_s * Tr, s.text_params, 1))
-    pre_bwd = backward_of(pre + (vis if vis_in else Cost()), pm, cfg)
-    # --actor_prefix=recompute: the training recomputes each micro-batch's prefix rows (all prompts once)
-    recompute = _tp_time(s, pre + (vis if vis_in else Cost()), tm.tp, hw.mfu_forward) \
-        if cfg.run.actor_prefix == "recompute" else 0.0
-    return {
-        "vision": _tp_time(s, vis, tm.tp, hw.mfu_forward),
-        "actor_prefix": _tp_time(s, pre, tm.tp, hw.mfu_forward),
-        "ref_prefix": _tp_time(s, pre, tm.tp, hw.mfu_forward) if s.use_ref else 0.0,
-        "reference": _tp_time(s, suf, tm.tp, hw.mfu_forward) if s.use_ref else 0.0,
-        "actor_fwd": _tp_time(s, suf, tm.tp, hw.mfu_forward),
-        "actor_bwd": _tp_time(s, backward_of(suf, pm, cfg) + pre_bwd.scale(1.0, ops=0), tm.tp, hw.mfu_backward,
-                              True) + recompute,
-    }
+    trained = pre + (vis if vis_in else Cost())  # what the actor's gradient flows through
+    pre_bwd = backward_of(trained, pm, cfg).scale(1.0, ops=0)
+    actor_pre, extra = pre, ()
+    if cfg.run.actor_prefix == "residuals":
+        saved = prefix_residual_bytes(cfg.model, rows_p, Tp, Tv, pm, tp=tm.tp, vision=vis_in) * tm.tp
+        actor_pre = dataclasses.replace(pre, ew_bytes=pre.ew_bytes + saved)
+    else:  # the training recomputes each micro-batch's prefix rows (all prompts once)
+        extra = (Work(trained),)
+    return {"vision": (Work(vis),) if Tv else (), "actor_prefix": (Work(actor_pre),),
+            "ref_prefix": (Work(pre + (vis if vis_in else Cost())),) if s.use_ref else (),
+            "reference": (Work(suf),) if s.use_ref else (), "actor_fwd": (Work(suf),),
+            "actor_bwd": (Work(backward_of(suf, pm, cfg) + pre_bwd, backward=True), *extra)}
+
+
+def training_costs(s: Setup, n_dev: int, sharing: bool, split: bool, tm: PlanMesh | None = None
+                   ) -> dict[str, tuple[Work, ...]]:
+    """Reference / actor work per phase on a pool of n_dev devices (the training mesh scaled, or ``tm``): the
+    split (rollplex) programs or the full-sequence (serial) ones."""
+    tm = tm or dataclasses.replace(s.mesh, devices=n_dev)
+    return rollplex_costs(s, n_dev, sharing, tm) if split else serial_costs(s, n_dev, tm)
 
 
 def training(s: Setup, n_dev: int, sharing: bool, split: bool, tm: PlanMesh | None = None) -> dict:
-    """Seconds of reference / actor work on a pool of n_dev devices (the training mesh scaled, or ``tm``):
-    the split (rollplex) programs or the full-sequence (serial) ones."""
+    """Seconds of each reference / actor phase (``training_costs`` timed on one device of the TP group)."""
     tm = tm or dataclasses.replace(s.mesh, devices=n_dev)
-    return rollplex_training(s, n_dev, sharing, tm) if split else serial_training(s, n_dev, tm)
+    mfu = {False: s.hw.mfu_forward, True: s.hw.mfu_backward}
+    return {phase: sum((w.calls * _tp_time(s, w.cost, tm.tp, mfu[w.backward], w.backward) for w in works), 0.0)
+            for phase, works in training_costs(s, n_dev, sharing, split, tm).items()}
 
 
 def update(s: Setup, n_dev: int) -> float:

@@ -4,6 +4,13 @@
 one time axis) are what ``launch.plan --simulate`` prints and writes; ``sweep`` re-simulates with one
 assumption scaled by each factor (x0.5 / x2 by default) and sorts the assumptions by how far they move
 the rollplex / serial speedup (``--simulate_sweep``).
+
+``bench_calibration`` (``launch.bench --bench_simulate=cpu``) predicts a bench run at the lengths it measured
+and sets each mode's predicted step time beside the measured one (``calibration``): a reported benchmark of
+the simulator, not a test gate (wall times on a shared machine are noisy: on the 2-core CI machine, 2026-12-03,
+bench_cpu's fastest serial step ranged 0.28-0.52 s and its speedup 3.07-6.54 within one hour). What gates the
+simulator in the tests is deterministic: its FLOPs and bytes per phase against XLA's counts of the same
+programs (tests/test_simulator.py).
 """
 
 from __future__ import annotations
@@ -114,3 +121,37 @@ def sweep_table(rows: list[dict]) -> str:
         lines.append(f"{r['assumption']:<52}{r['base']:>8.3f}" + "".join(f"{r[k]:>8.3f}" for k in keys)
                      + f"{r['range']:>8.3f}")
     return "\n".join(lines)
+
+
+def calibration(sim: Simulation, modes: dict[str, dict]) -> dict:
+    """Each bench mode's predicted step time beside the measured ones, and the rollplex / serial speedup.
+
+    Args:
+      sim: the simulation of the bench's config and lengths.
+      modes: ``launch.bench``'s per-mode results: ``step_s`` (median timed step), ``step_s_min`` (fastest).
+    Returns:
+      ``{"hardware", "modes": {mode: {"predicted_s", "measured_median_s", "measured_min_s",
+      "predicted_over_median", "predicted_over_min"}}, "speedup": {"predicted", "measured_median",
+      "measured_min"}}`` (speedup only with both serial and rollplex).
+    """
+    out = {"hardware": sim.hardware.name, "modes": {}}
+    for name, r in modes.items():
+        pred = sim.schedules[name].step_s
+        out["modes"][name] = {"predicted_s": pred, "measured_median_s": r["step_s"], "measured_min_s": r["step_s_min"],
+                              "predicted_over_median": pred / r["step_s"], "predicted_over_min": pred / r["step_s_min"]}
+    if {"serial", "rollplex"} <= set(modes):
+        s, r = modes["serial"], modes["rollplex"]
+        out["speedup"] = {"predicted": sim.speedup("rollplex", "serial"),
+                          "measured_median": s["step_s"] / r["step_s"],
+                          "measured_min": s["step_s_min"] / r["step_s_min"]}
+    return out
+
+
+def bench_calibration(cfg: Config, hw: Hardware, modes: dict[str, dict]) -> dict:
+    """``calibration`` of a ``launch.bench`` run: simulated on ``hw`` at the lengths its serial mode measured
+    (``lengths``: the largest prompt, vision tokens per prompt, longest and mean answer of its timed steps)."""
+    m = modes["serial"]["lengths"]
+    lengths = Lengths(prompt_tokens=round(m["prompt_length/max"]), vision_tokens=round(m["prompt_length/vision_mean"]),
+                      response_tokens=max(1, round(m["response_length/max"])), source="measured by the bench")
+    sim = simulate(cfg, hw, lengths, response_mean=m["response_length/mean"])
+    return calibration(sim, modes)

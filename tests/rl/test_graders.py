@@ -216,6 +216,7 @@ def test_math_reward_runs_in_the_thread_pool():
     np.testing.assert_array_equal(s.parts["format"], np.ones(8))
 
 
+@pytest.mark.timing  # a wall-time bound (< 2 s beside a 5 s stuck grader): run alone (make test)
 def test_slow_math_grader_times_out_in_the_pool(monkeypatch):
     parse, verify = graders._math_verify()
     done = threading.Event()
@@ -240,6 +241,7 @@ def test_slow_math_grader_times_out_in_the_pool(monkeypatch):
     np.testing.assert_array_equal(s.parts["accuracy"], [1.0, 0.0, 1.0])
 
 
+@pytest.mark.timing  # a wall-time bound (< 10 s for five gradings): run alone (make test)
 def test_huge_exact_numbers_are_not_compared():
     # 9^(9^(9^9)) is one integer power computed in C holding the GIL: no thread timeout could stop it, so the
     # grader must refuse it before math-verify evaluates it. In a subprocess, so a regression fails, not hangs.

@@ -131,6 +131,7 @@ def test_runner_bad_return_values():
     assert s.failures == 4
 
 
+@pytest.mark.timing  # a wall-time bound (< 1 s beside a 1.5 s hung call): run alone (make test)
 def test_runner_timeout_does_not_block():
     fn = resolve_reward_fn("reward_fixtures:sleep_if_hang")  # "hang" sleeps 1.5 s
     runner = RewardRunner(fn, timeout_s=0.2, max_workers=2)
@@ -148,6 +149,7 @@ def test_runner_timeout_does_not_block():
         runner(["ok"], [""])
 
 
+@pytest.mark.timing  # a wall-time bound (< 1 s beside a 1.5 s hung call): run alone (make test)
 def test_runner_timeout_raise_mode():
     fn = resolve_reward_fn("reward_fixtures:sleep_if_hang")
     with RewardRunner(fn, timeout_s=0.2, max_workers=4, on_failure="raise") as runner:
