@@ -224,6 +224,10 @@ _HELP = {
                      "at least 1, so that torch and XLA's pool (all cores, fixed at start) do not oversubscribe "
                      "them while the prefix programs overlap the decode (parallel/threads.py); on a GPU decode "
                      "torch's own choice. N: N threads.",
+    "rollout_timeout_s": "Deadline in seconds of one rollout (the engine's generate call; validation's too). Past it "
+                         "the step fails naming the step and the engine, a checkpoint of the last finished step is "
+                         "written and the run exits 1 (rerun with --resume). A hung decode cannot be stopped, so the "
+                         "process ends (rollplex_jax/run/watchdog.py). 0 = no deadline.",
     "batch_prompts": "B: prompts per RL step (B x G sequences).",
     "advantage": "Advantage estimator.",
     "norm_by_std": "GRPO: divide by the group std (--nonorm_by_std = Dr. GRPO).",

@@ -35,6 +35,28 @@ def start_distributed(fv) -> tuple[int, int]:
     return distributed.initialize(spec)
 
 
+def _report_failure(e: BaseException) -> None:
+    """A rollout timeout in one paragraph (its hung thread's stack, not the caller's); anything else traced."""
+    from rollplex_jax.run.watchdog import RolloutTimeoutError
+
+    if not isinstance(e, RolloutTimeoutError):
+        traceback.print_exc()
+        return
+    print(f"error: {e}", file=sys.stderr)
+    if e.stack:
+        print(f"where the rollout thread is stuck (innermost last):\n{e.stack}", file=sys.stderr)
+
+
+def _close_after_failure(runner) -> None:
+    """A checkpoint of the last finished step (``Runner.save_after_failure``), then the outputs closed; an error in
+    either is printed, never raised (the process must still exit)."""
+    for what in (lambda: print(runner.save_after_failure(), file=sys.stderr), runner.close):
+        try:
+            what()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -71,12 +93,13 @@ def main(argv):
             keys = ("steps_done", "reward/first10_mean", "reward/last20_mean", "eval/greedy_accuracy",
                     "params_sha256", "wall_s")
             print(json.dumps({k: summary.get(k) for k in keys}))
-    except (Exception, KeyboardInterrupt):
-        # The error may be a reward call that hung past its timeout (--reward_failure=raise): its thread still
-        # runs, and the interpreter would join it at exit for as long as it hangs. Report, close the outputs,
-        # and leave without waiting (as below).
-        traceback.print_exc()
-        runner.close()
+    except (Exception, KeyboardInterrupt) as e:
+        # The error may be a rollout past --rollout_timeout_s or a reward call past its timeout
+        # (--reward_failure=raise): their threads still run, and the interpreter would join a reward thread at exit
+        # for as long as it hangs. Report, checkpoint the last finished step, close the outputs, and leave without
+        # waiting (as below).
+        _report_failure(e)
+        _close_after_failure(runner)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

@@ -53,8 +53,7 @@ def serial_batch(cfg):
     from rollplex_jax.run import setup as run_setup
 
     tok = run_setup.tokenizer(cfg)
-    ds, _ = run_setup.load_split(cfg, tok, cfg.run.workdir, multihost.Processes(), "train", cfg.data.dataset,
-                                 cfg.data.synthetic_n, cfg.run.seed, log=lambda *a, **k: None)
+    ds, _ = run_setup.load_split(cfg, tok, cfg.run.workdir, multihost.Processes(), "train", log=lambda *a, **k: None)
     prompts = data_lib.collate([ds[i] for i in range(cfg.rl.batch_prompts)], tok.pad_id)
     b, g, t = cfg.rl.batch_prompts, cfg.rollout.group_size, cfg.rollout.max_new_tokens
     rng = np.random.default_rng(cfg.run.seed)

@@ -47,6 +47,31 @@ def test_from_flagfile_errors_name_the_problem():
         config_from_flagfile("configs/tiny_cpu.flags", group_size=1)
 
 
+def test_a_real_checkpoint_gets_easyr1_defaults_and_the_demos_state_theirs(tmp_path):
+    """--model_dir alone fine-tunes with EasyR1's optimizer defaults (examples/config.yaml, worker.actor.optim:
+    lr 1e-6, weight decay 1e-2, constant schedule, no warm-up; betas 0.9/0.999, clip 1.0); the demo flagfiles, which
+    train a random model from scratch, state their own lr, schedule and weight decay."""
+    import json
+
+    from rollplex_jax.config import ModelConfig
+
+    ckpt = tmp_path / "ckpt"  # parsing reads only config.json
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(ModelConfig.from_json_file(REPO / "configs/models/demo.json")
+                                                 .to_hf_dict()))
+    fv = flags.FlagValues()
+    launch_flags.define_flags(fv)
+    fv(["rollplex", f"--model_dir={ckpt}"])
+    o = launch_flags.config_from_flags(fv).optim
+    assert (o.lr, o.weight_decay, o.lr_schedule, o.warmup_steps) == (1e-6, 1e-2, "constant", 0)
+    assert (o.b1, o.b2, o.grad_clip) == (0.9, 0.999, 1.0)
+    for name in ("tiny_cpu", "video_cpu"):
+        text = (REPO / "configs" / f"{name}.flags").read_text()
+        assert all(f"\n--{flag}=" in text for flag in ("lr", "lr_schedule", "weight_decay")), name
+        o = config_from_flagfile(f"configs/{name}.flags").optim
+        assert (o.lr, o.weight_decay, o.lr_schedule) == (5e-4, 0.0, "cosine"), name
+
+
 def _comparable(rows):
     # time/*, timing_s/* and perf/ rates are wall clock; memory/* is live device memory of the process, which two
     # runners share.

@@ -138,6 +138,10 @@ class RolloutConfig:
     max_new_tokens: int = 16
     max_batch: int = 256
     torch_threads: int = 0  # 0: chosen from the cores (threads.py); N: N threads
+    # Deadline of one generate call (run/watchdog.py): past it the step fails, a checkpoint of the last finished
+    # step is written and launch.main exits 1. 1800 s: agent-lightning's rollout_timeout_seconds (on verl) and
+    # torch.distributed's default timeout; long enough for a real rollout, short of burning a night. 0 = none.
+    rollout_timeout_s: float = 1800.0
 
     def __post_init__(self):
         _choice("rollout", "engine", self.engine, ENGINES)
@@ -151,6 +155,8 @@ class RolloutConfig:
         _require(self.max_batch > 0, "rollout.max_batch", self.max_batch, "must be > 0")
         _require(self.torch_threads >= 0, "rollout.torch_threads", self.torch_threads,
                  "must be >= 0 (0 = chosen from the cores)")
+        _require(self.rollout_timeout_s >= 0, "rollout.rollout_timeout_s", self.rollout_timeout_s,
+                 "must be >= 0 seconds (0 = no deadline)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,14 +224,19 @@ class RlConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """optax AdamW with global-norm clipping and a learning-rate schedule over the run's steps."""
+    """optax AdamW with global-norm clipping and a learning-rate schedule over the run's steps.
 
-    lr: float = 5e-4
-    lr_schedule: str = "cosine"
+    The defaults are EasyR1's for a pretrained checkpoint (``worker.actor.optim`` and ``max_grad_norm``: lr 1e-6,
+    weight decay 1e-2, constant schedule, no warm-up, betas 0.9 / 0.999, clip 1.0), so ``--model_dir`` alone
+    fine-tunes gently. The demos train a random model from scratch and state their own values in their flagfiles
+    (configs/tiny_cpu.flags: lr 5e-4, cosine, no weight decay)."""
+
+    lr: float = 1e-6
+    lr_schedule: str = "constant"
     final_lr_frac: float = 0.05
     decay_steps: int = 0
     warmup_steps: int = 0
-    weight_decay: float = 0.0
+    weight_decay: float = 1e-2
     freeze_vision: bool = False
     b1: float = 0.9
     b2: float = 0.999

@@ -43,41 +43,14 @@ import numpy as np
 from rollplex_contract.batch import Prompts
 from rollplex_jax.config import VisionConfig
 from rollplex_jax.data import rows as rows_lib
-from rollplex_jax.data.image_cache import DEFAULT_CACHE_BYTES, PatchCache
+from rollplex_jax.data.image_cache import PatchCache
 from rollplex_jax.data.image_processing import ImageLoadError, load_image, num_merged_tokens, preprocess_images
-from rollplex_jax.data.row_check import DataReport, RowChecker
+from rollplex_jax.data.row_check import DataReport, LoadOptions, RowChecker
 from rollplex_jax.data.sampler import PromptSampler
-from rollplex_jax.data.sources import DataError, jsonl_lines, open_source, read_json_row
+from rollplex_jax.data.sources import DataError, open_source
 from rollplex_jax.data.tokenizer import Tokenizer, render_messages
-from rollplex_jax.data.video_sampling import VideoRule
 
-__all__ = ["DataError", "DataReport", "Dataset", "Example", "PromptSampler", "collate", "load_dataset", "load_jsonl"]
-
-_lines = jsonl_lines  # the oracle of the lazy path (tests/data/eager_reference.py) reads lines as before
-
-
-def _parse_row(where: str, line: bytes) -> dict:
-    """A row of this project's original JSONL format, its fields checked; ``DataError`` naming ``where``."""
-    row = read_json_row(where, line)
-    for key in ("prompt", "answer"):
-        if key not in row:
-            raise DataError(f"{where}: missing field {key!r} (a string)")
-        if not isinstance(row[key], str):
-            raise DataError(f"{where}: field {key!r} must be a string, got {type(row[key]).__name__} {row[key]!r}")
-    if "images" not in row:
-        raise DataError(f"{where}: missing field 'images' (a list of image paths, relative to the file)")
-    images = row["images"]
-    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
-        raise DataError(f"{where}: field 'images' must be a list of non-empty path strings, got {images!r}")
-    return row
-
-
-def load_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Reads and validates a JSONL file of the original format (blank lines skipped); ``DataError`` names
-    ``file:line``. ``load_dataset`` reads every format; this strict reader is kept for tools and tests."""
-    path = os.fspath(path)
-    return [_parse_row(f"{path}:{lineno}", line) for lineno, _, line in jsonl_lines(path)]
-
+__all__ = ["DataError", "DataReport", "Dataset", "Example", "LoadOptions", "PromptSampler", "collate", "load_dataset"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class Example:
@@ -121,7 +94,6 @@ class _Rows:
     """What loading keeps of the kept rows (arrays in source order), and how an example is rebuilt from it."""
 
     source: object  # sources.JsonlSource | JsonSource | ParquetSource
-    fmt: rows_lib.RowFormat
     base: str  # where relative media paths start
     src: np.ndarray  # int64: the row's index in the source
     prompt_len: np.ndarray  # int32: rendered prompt tokens
@@ -133,9 +105,7 @@ class _Rows:
     video_spgt: np.ndarray  # float32 [videos]: seconds per temporal grid step
     tok: Tokenizer
     vision: VisionConfig
-    min_pixels: int
-    max_pixels: int
-    video_rule: VideoRule
+    opts: LoadOptions
     cache: PatchCache
 
     def grids(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -148,7 +118,7 @@ class _Rows:
         """Row ``r``'s example: its row re-read and its prompt rendered again (checked against load time)."""
         i = int(self.src[r])
         where = self.source.where(i)
-        parsed = rows_lib.parse_row(self.source.row(i), self.fmt, where)
+        parsed = rows_lib.parse_row(self.source.row(i), self.opts.fmt, where)
         images, videos, spgt = self.grids(r)
         m = self.vision.spatial_merge_size
         ids = np.asarray(render_messages(self.tok, parsed.messages, [num_merged_tokens(g, m) for g in images],
@@ -169,7 +139,7 @@ class _Rows:
         items, grids = (images, image_grids) if kind == "image" else (videos, video_grids)
         if not len(items):
             return np.zeros((0, v.patch_dim), np.float32)
-        params = (self.min_pixels, self.max_pixels, v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
+        params = (self.opts.min_pixels, self.opts.max_pixels, v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
         parts = []
         for k, (item, g) in enumerate(zip(items, grids, strict=True)):
             if kind == "image":
@@ -177,7 +147,7 @@ class _Rows:
                 key = ("image", data if isinstance(data, str) else (where, k), *params)
                 make = functools.partial(self._image_patches, name, data, g, where)
             else:
-                key = ("video", item, self.video_rule, *params)
+                key = ("video", item, self.opts.video_rule, *params)
                 make = functools.partial(self._video_patches, item, g, where)
             parts.append(self.cache.get(key, make))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -189,7 +159,7 @@ class _Rows:
             raise DataError(f"{where}: {e}. Its header passed the checks at load time but its pixels cannot be "
                             "decoded: replace the file and resume (dropping the row changes the dataset, which a "
                             "resumed run refuses)") from None
-        patches, got = preprocess_images([image], self.vision, self.min_pixels, self.max_pixels)
+        patches, got = preprocess_images([image], self.vision, self.opts.min_pixels, self.opts.max_pixels)
         if got[0].tolist() != grid.tolist():
             raise DataError(f"{where}: image {name!r} decodes to a {got[0][1]}x{got[0][2]}-patch grid but its header "
                             f"gave {grid[1]}x{grid[2]} at load time: the file changed since the dataset was loaded "
@@ -202,7 +172,7 @@ class _Rows:
 
         try:
             v = self.vision
-            plan = video_io.probe_video(spec, self.video_rule, v.patch_size * v.spatial_merge_size,
+            plan = video_io.probe_video(spec, self.opts.video_rule, v.patch_size * v.spatial_merge_size,
                                         patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size)
             if list(plan.grid_thw) != grid.tolist():
                 raise DataError(f"{where}: video {spec.name!r} now gives grid {list(plan.grid_thw)}, "
@@ -269,9 +239,7 @@ class Dataset(Sequence):
         return f"Dataset({self._rows.source.path!r}, {len(self)} examples)"
 
 
-def load_dataset(path: str | os.PathLike, tok: Tokenizer, vision: VisionConfig, *, min_pixels: int,
-                 max_pixels: int, max_prompt_len: int, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 fmt: rows_lib.RowFormat = rows_lib.RowFormat(), video_rule: VideoRule = VideoRule(),
+def load_dataset(path: str | os.PathLike, tok: Tokenizer, vision: VisionConfig, opts: LoadOptions, *,
                  log: Callable[[str], None] = print) -> tuple[Dataset, DataReport]:
     """Reads and checks every row of a dataset and its media's headers; decodes no pixels.
 
@@ -279,13 +247,11 @@ def load_dataset(path: str | os.PathLike, tok: Tokenizer, vision: VisionConfig, 
         path: A .jsonl / .json (``path@key``) / .parquet file or a directory of parquet files (``sources.py``).
         tok: Renders prompts (``render_messages``) and must know every prompt/answer word.
         vision: Patch, merge and temporal sizes for the patches.
-        min_pixels: ``smart_resize`` lower bound for images (``DataConfig.min_pixels``).
-        max_pixels: ``smart_resize`` upper bound for images; larger images are downscaled.
-        max_prompt_len: Longest rendered prompt in tokens; longer rows are skipped.
-        cache_bytes: Bound of the dataset's ``PatchCache`` of preprocessed media (``--image_cache_mb``).
-        fmt: Column names, media directory and prompt template (``rows.RowFormat``).
-        video_rule: How videos are sampled and sized (``--video_fps`` etc.).
-        log: Receives one warning line per skipped row and a one-line summary.
+        opts: Image pixel bounds (larger images are downscaled), the longest prompt in tokens (longer rows are
+            skipped), columns and template, video rule, cache bound (``LoadOptions``; from the flags:
+            ``LoadOptions.from_config``).
+        log: Receives a warning line for each of the first ``row_check.MAX_ROW_WARNINGS`` skipped rows, one for
+            the rest, and a one-line summary.
 
     Returns:
         The kept rows in source order (a ``Dataset``: examples built on access), and the counts.
@@ -294,10 +260,10 @@ def load_dataset(path: str | os.PathLike, tok: Tokenizer, vision: VisionConfig, 
         DataError: a malformed row, a prompt/answer the tokenizer cannot encode, or no row kept.
     """
     path = os.fspath(path)
-    rows_lib.check_format_prompt(fmt.format_prompt)
+    rows_lib.check_format_prompt(opts.fmt.format_prompt)
     source = open_source(path)
-    base = rows_lib.media_base(path, fmt)
-    checker = RowChecker(tok, vision, min_pixels, max_pixels, max_prompt_len, fmt, base, video_rule, log)
+    base = rows_lib.media_base(path, opts.fmt)
+    checker = RowChecker(tok, vision, opts, base, log)
     cols = {k: array.array("q") for k in ("src", "prompt_len", "vision_tokens", "n_images", "n_videos")}
     image_hw, video_thw, spgt = array.array("i"), array.array("i"), array.array("f")
     for i, row in enumerate(_progress(source)):
@@ -315,9 +281,11 @@ def load_dataset(path: str | os.PathLike, tok: Tokenizer, vision: VisionConfig, 
         spgt.extend(secs)
     rep = checker.report
     rep.kept = len(cols["src"])
-    skipped = rep.skipped_text(max_prompt_len)
+    skipped = rep.skipped_text(opts.max_prompt_len)
+    if checker.unshown:
+        log(checker.unshown_text())
     log(f"data: {path}: kept {rep.kept} of {rep.rows} rows; skipped {skipped}; downscaled {rep.resized} images over "
-        f"max_pixels={max_pixels}")
+        f"max_pixels={opts.max_pixels}")
     if not rep.kept:
         if rep.rows == 0:
             raise DataError(f"dataset file {path!r} has no rows")
@@ -325,12 +293,12 @@ def load_dataset(path: str | os.PathLike, tok: Tokenizer, vision: VisionConfig, 
                         "see the warnings above")
     a = {k: np.frombuffer(v, np.int64).copy() for k, v in cols.items()}
     starts = lambda n: np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
-    rows = _Rows(source=source, fmt=fmt, base=base, src=a["src"], prompt_len=a["prompt_len"].astype(np.int32),
+    rows = _Rows(source=source, base=base, src=a["src"], prompt_len=a["prompt_len"].astype(np.int32),
                  vision_tokens=a["vision_tokens"].astype(np.int32), image_start=starts(a["n_images"]),
                  image_hw=np.frombuffer(image_hw, np.int32).reshape(-1, 2).copy(), video_start=starts(a["n_videos"]),
                  video_thw=np.frombuffer(video_thw, np.int32).reshape(-1, 3).copy(),
-                 video_spgt=np.frombuffer(spgt, np.float32).copy(), tok=tok, vision=vision, min_pixels=min_pixels,
-                 max_pixels=max_pixels, video_rule=video_rule, cache=PatchCache(cache_bytes))
+                 video_spgt=np.frombuffer(spgt, np.float32).copy(), tok=tok, vision=vision, opts=opts,
+                 cache=PatchCache(opts.cache_bytes))
     return Dataset(rows), rep
 
 

@@ -4,6 +4,10 @@ Why apart from ``dataset.py``: this is where every skip rule lives, with its cou
 rules read in one place (``dataset.py``'s docstring lists them): a bad image or video and an empty answer skip
 the row, a prompt over ``max_prompt_len`` skips it, an oversized image is downscaled (counted). What is wrong
 with the row itself (a missing column, a placeholder count) is a ``DataError`` from ``rows.parse_row``.
+
+A dataset with many bad rows would bury the log in warnings: the first ``MAX_ROW_WARNINGS`` skipped rows get a
+line each, the rest are counted per cause (``RowChecker.unshown``) and summed up in one line after loading.
+``LoadOptions`` gathers what loading needs from the data flags (``LoadOptions.from_config``), once.
 """
 
 from __future__ import annotations
@@ -11,12 +15,46 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from rollplex_jax.config import VisionConfig
+from rollplex_jax.config import DataConfig, VisionConfig
 from rollplex_jax.data import rows as rows_lib
+from rollplex_jax.data.image_cache import DEFAULT_CACHE_BYTES
 from rollplex_jax.data.image_processing import ImageLoadError, check_vision, probe_image, smart_resize
 from rollplex_jax.data.sources import DataError
 from rollplex_jax.data.tokenizer import Tokenizer, render_messages
 from rollplex_jax.data.video_sampling import VideoRule
+
+MAX_ROW_WARNINGS = 10  # skipped rows logged one by one; the others are counted per cause
+_CAUSES = {"bad_image": "with bad images", "bad_video": "with bad videos", "empty_answer": "with an empty answer",
+           "too_long": "over max_prompt_len"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How a dataset's rows are read and checked at load time.
+
+    ``min_pixels`` / ``max_pixels``: ``smart_resize`` bounds of images (larger ones are downscaled);
+    ``max_prompt_len``: the longest rendered prompt in tokens (longer rows are skipped); ``fmt``: column names,
+    media directory and prompt template (``rows.RowFormat``); ``video_rule``: how videos are sampled and sized;
+    ``cache_bytes``: bound of each dataset's cache of preprocessed media (``image_cache.PatchCache``).
+    """
+
+    min_pixels: int
+    max_pixels: int
+    max_prompt_len: int
+    fmt: rows_lib.RowFormat = rows_lib.RowFormat()
+    video_rule: VideoRule = VideoRule()
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+
+    @classmethod
+    def from_config(cls, d: DataConfig) -> LoadOptions:
+        """The options the data flags give (``--prompt_key``, ``--video_fps``, ``--image_cache_mb``, ...)."""
+        fmt = rows_lib.RowFormat(prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
+                                 video_key=d.video_key, image_dir=d.image_dir, format_prompt=d.format_prompt)
+        rule = VideoRule(fps=d.video_fps, min_frames=d.video_min_frames, max_frames=d.video_max_frames,
+                         min_pixels=d.video_min_pixels, max_pixels=d.video_max_pixels,
+                         total_pixels=d.video_total_pixels)
+        return cls(min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_len=d.max_prompt_len, fmt=fmt,
+                   video_rule=rule, cache_bytes=d.image_cache_mb << 20)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -47,15 +85,25 @@ class DataReport:
 
 
 class RowChecker:
-    """Checks rows at load time, from the row and its media's headers; counts and logs the skipped ones."""
+    """Checks rows at load time, from the row and its media's headers; counts the skipped ones and logs the first
+    ``MAX_ROW_WARNINGS`` (``unshown``: the others, per cause).
 
-    def __init__(self, tok: Tokenizer, vision: VisionConfig, min_pixels: int, max_pixels: int, max_prompt_len: int,
-                 fmt: rows_lib.RowFormat, base: str, video_rule: VideoRule, log: Callable[[str], None]):
+    Args:
+      tok: renders the prompts; must know every prompt and answer word.
+      vision: patch, merge and temporal sizes.
+      opts: the limits, columns and video rule (``LoadOptions``).
+      base: where relative media paths start.
+      log: receives the warnings.
+    """
+
+    def __init__(self, tok: Tokenizer, vision: VisionConfig, opts: LoadOptions, base: str,
+                 log: Callable[[str], None]):
         self.tok, self.vision, self.log = tok, vision, log
-        self.min_pixels, self.max_pixels, self.max_prompt_len = min_pixels, max_pixels, max_prompt_len
-        self.fmt, self.base, self.video_rule = fmt, base, video_rule
+        self.min_pixels, self.max_pixels, self.max_prompt_len = opts.min_pixels, opts.max_pixels, opts.max_prompt_len
+        self.fmt, self.base, self.video_rule = opts.fmt, base, opts.video_rule
         self.factor = check_vision(vision)  # RGB input, or a ValueError that stops loading
         self.report = DataReport()
+        self.unshown: dict[str, int] = {}  # skipped rows past the first MAX_ROW_WARNINGS, per cause
         self._probes: dict[str, tuple | str] = {}  # image path -> (size, resized size), or the error
         self._answers: set[str] = set()
 
@@ -95,7 +143,20 @@ class RowChecker:
 
     def _skip(self, counter: str, where: str, why: str) -> None:
         setattr(self.report, counter, getattr(self.report, counter) + 1)
-        self.log(f"warning: {where}: row skipped, {why}")
+        shown = sum(getattr(self.report, c) for c in _CAUSES) - sum(self.unshown.values()) - 1
+        if shown < MAX_ROW_WARNINGS:
+            self.log(f"warning: {where}: row skipped, {why}")
+        else:
+            self.unshown[counter] = self.unshown.get(counter, 0) + 1
+
+    def unshown_text(self) -> str:
+        """One line on the skipped rows that got no warning of their own ('' when every one got one)."""
+        if not self.unshown:
+            return ""
+        causes = ", ".join(f"{self.unshown[c]} {text}" + (f"={self.max_prompt_len}" if c == "too_long" else "")
+                           for c, text in _CAUSES.items() if c in self.unshown)  # in the summary's order
+        return (f"warning: {sum(self.unshown.values())} more rows skipped without a line each ({causes}); the first "
+                f"{MAX_ROW_WARNINGS} are above, the summary below counts every cause")
 
     def _prompt_len(self, where: str, parsed: rows_lib.ParsedRow, n_img: list[int], n_vid: list[int]) -> int:
         try:

@@ -13,10 +13,15 @@ Answers are drawn uniformly, so a constant answer scores 1/4. Sizes scale with
 ``image_size`` (defaults for 56 px: 4x4 patches of 14 px, 2x2 merged vision tokens; the
 quadrant boundaries fall on patch boundaries). Everything is a function of the numpy
 ``Generator`` passed in, so a seed fixes the dataset.
+
+``write_dataset`` records what decided the files (``dataset_key``: task, count, seed, sizes) in ``synthetic.json``
+beside ``data.jsonl``, so that a run reuses a split only when its flags would write the same files
+(``run/setup.py``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -34,6 +39,7 @@ ANSWERS = {
     "count": ("1", "2", "3", "4"),
     "video_count": synthetic_video.ANSWERS,
 }
+KEY_FILE = "synthetic.json"  # beside data.jsonl: the dataset_key it was written from
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (235, 215, 40)}
 BACKGROUND = (40, 40, 40)
 WHITE = (240, 240, 240)
@@ -133,8 +139,39 @@ def write_dataset(task: str, n: int, out_dir: str | os.PathLike, seed: int, imag
         The path of ``data.jsonl``.
     """
     _check_task(task)
+    key = dataset_key(task, n, seed, image_size, video_frames, image_sizes)
     if task == "video_count":
-        return synthetic_video.write_video_dataset(n, out_dir, seed, size=image_size, frames=video_frames)
+        path = synthetic_video.write_video_dataset(n, out_dir, seed, size=image_size, frames=video_frames)
+    else:
+        path = _write_images(task, n, out_dir, seed, image_size, image_sizes)
+    with open(os.path.join(os.path.dirname(path), KEY_FILE), "w") as f:  # last: a cut write leaves no key
+        json.dump(key, f)
+    return path
+
+
+def dataset_key(task: str, n: int, seed: int, image_size: int = 56, video_frames: int = 8,
+                image_sizes: tuple[int, ...] = ()) -> dict:
+    """What decides ``write_dataset``'s files (the same arguments: equal keys, equal files); the sizes that do not
+    apply to the task are left out, so changing them does not count as a change."""
+    key = {"task": task, "n": int(n), "seed": int(seed)}
+    if task == "video_count":
+        return {**key, "image_size": int(image_size), "video_frames": int(video_frames)}
+    if image_sizes:
+        return {**key, "image_sizes": [int(x) for x in image_sizes]}
+    return {**key, "image_size": int(image_size)}
+
+
+def written_key(out_dir: str | os.PathLike) -> dict | None:
+    """The ``dataset_key`` that ``out_dir`` was written from; None without a record (written before keys were
+    recorded, cut short, or not written by ``write_dataset``)."""
+    try:
+        with open(os.path.join(os.fspath(out_dir), KEY_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_images(task: str, n: int, out_dir, seed: int, image_size: int, image_sizes: tuple[int, ...]) -> str:
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
     out_dir = os.fspath(out_dir)

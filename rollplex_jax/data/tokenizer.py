@@ -98,6 +98,11 @@ TINY_MAX_VOCAB = 32
 assert len(TINY_VOCAB) <= TINY_MAX_VOCAB and len(set(TINY_VOCAB)) == len(TINY_VOCAB)
 
 
+_TINY_ONLY = ("without --model_dir the run trains the tiny random demo model, whose tokenizer only knows the "
+              "synthetic tasks' words; to train on a real dataset pass --model_dir=<a local Hugging Face Qwen2.5-VL "
+              "checkpoint directory: config.json, the tokenizer files and *.safetensors weights>")
+
+
 class TinyTokenizer:
     """Deterministic word-level tokenizer over ``TINY_VOCAB`` (32 tokens, ids = positions).
 
@@ -126,8 +131,8 @@ class TinyTokenizer:
                         continue
                     if part not in self._ids:
                         raise ValueError(f"word {part!r} is not in TinyTokenizer's vocabulary "
-                                         f"({', '.join(repr(w) for w in TINY_CHAT_WORDS + TINY_TASK_WORDS)}); "
-                                         "the tiny demo model only knows the synthetic tasks' words")
+                                         f"({', '.join(repr(w) for w in TINY_CHAT_WORDS + TINY_TASK_WORDS)}): "
+                                         f"{_TINY_ONLY}")
                     ids.append(self._ids[part])
         return ids
 

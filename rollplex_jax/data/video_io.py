@@ -192,14 +192,25 @@ def _pixel_rule(rule: vs.VideoRule, spec: VideoSpec) -> vs.VideoRule:
     return dataclasses.replace(rule, **over) if over else rule
 
 
-def _plan(indices, total, video_fps, src, list_size, n_for_size, fps, rule, factor, patch_size, temporal):
-    h, w = vs.frame_size(*(list_size or src), n_for_size, rule, factor)
-    merge = factor // patch_size
-    grid = (math.ceil(len(indices) / temporal), h // patch_size, w // patch_size)
+@dataclasses.dataclass(frozen=True)
+class _Sizing:
+    """How a probe sizes frames: the run's (or the row's) pixel rule and the vision tower's patch geometry
+    (``factor`` = patch_size x spatial_merge_size)."""
+
+    rule: vs.VideoRule
+    factor: int
+    patch_size: int
+    temporal: int
+
+
+def _plan(indices, total, video_fps, src, list_size, n_for_size, fps, sz: _Sizing) -> VideoPlan:
+    h, w = vs.frame_size(*(list_size or src), n_for_size, sz.rule, sz.factor)
+    merge = sz.factor // sz.patch_size
+    grid = (math.ceil(len(indices) / sz.temporal), h // sz.patch_size, w // sz.patch_size)
     return VideoPlan(indices=tuple(int(i) for i in indices), total_frames=int(total), video_fps=float(video_fps),
                      src_size=tuple(src), list_size=list_size, size=(h, w), grid_thw=grid,
                      tokens=grid[0] * grid[1] * grid[2] // merge**2, fps=float(fps),
-                     second_per_grid_t=vs.second_per_grid_t(temporal, fps))
+                     second_per_grid_t=vs.second_per_grid_t(sz.temporal, fps))
 
 
 def probe_video(spec: VideoSpec, rule: vs.VideoRule, factor: int = 28, *, patch_size: int = 14,
@@ -216,8 +227,9 @@ def probe_video(spec: VideoSpec, rule: vs.VideoRule, factor: int = 28, *, patch_
         rule = _pixel_rule(rule, spec)
     except ValueError as e:
         raise VideoError(f"video {spec.name}: its pixel settings conflict with the run's: {e}") from None
+    sz = _Sizing(rule, factor, patch_size, temporal_patch_size)
     if spec.frames is not None:
-        return _probe_frames(spec, rule, factor, patch_size, temporal_patch_size)
+        return _probe_frames(spec, sz)
     info = container_info(spec.path)
     if info.total_frames < vs.FRAME_FACTOR:
         raise VideoError(f"video file {spec.path!r} has {info.total_frames} frame; Qwen2.5-VL needs at least "
@@ -228,13 +240,13 @@ def probe_video(spec: VideoSpec, rule: vs.VideoRule, factor: int = 28, *, patch_
                            max_frames=spec.max_frames)
         indices = vs.frame_indices(first, last, n)
         return _plan(indices, info.total_frames, info.fps, (info.height, info.width), None, n,
-                     vs.sampled_fps(n, count, info.fps), rule, factor, patch_size, temporal_patch_size)
+                     vs.sampled_fps(n, count, info.fps), sz)
     except ValueError as e:
         raise VideoError(f"video file {spec.path!r} ({info.total_frames} frames at {info.fps:g} fps, "
                          f"{info.height}x{info.width}): {e}; fix the row's settings or drop the video") from None
 
 
-def _probe_frames(spec: VideoSpec, rule: vs.VideoRule, factor: int, patch_size: int, temporal: int) -> VideoPlan:
+def _probe_frames(spec: VideoSpec, sz: _Sizing) -> VideoPlan:
     sizes = []
     for i, p in enumerate(spec.frames):
         try:
@@ -249,11 +261,11 @@ def _probe_frames(spec: VideoSpec, rule: vs.VideoRule, factor: int, patch_size: 
     n = len(spec.frames)
     padded = vs.padded_frame_count(n)
     indices = list(range(n)) + [n - 1] * (padded - n)
-    fps = rule.fps if spec.fps is None else spec.fps
+    fps = sz.rule.fps if spec.fps is None else spec.fps
     try:
-        list_size = smart_resize(*sizes[0], factor, spec.min_pixels or IMAGE_MIN_PIXELS,
+        list_size = smart_resize(*sizes[0], sz.factor, spec.min_pixels or IMAGE_MIN_PIXELS,
                                  spec.max_pixels or IMAGE_MAX_PIXELS)
-        return _plan(indices, n, fps, sizes[0], list_size, padded, fps, rule, factor, patch_size, temporal)
+        return _plan(indices, n, fps, sizes[0], list_size, padded, fps, sz)
     except ValueError as e:
         raise VideoError(f"{spec.name}: {e}; fix the row's settings or the frames") from None
 

@@ -4,7 +4,8 @@
 and a validation before training is a row of step 0 with only val/*), TensorBoard event files (every
 metric as a scalar), run_summary.json, plots/reward.png, val_generations.jsonl (validation.py).
 Also the helpers notebooks draw with: ``metrics_columns``,
-``draw_reward`` (into a matplotlib Axes), ``memory_by_phase`` and ``draw_memory``.
+``draw_reward`` (into a matplotlib Axes), ``memory_by_phase`` and ``draw_memory``; the loop's ``progress_bar`` and
+``NoWriter`` (the metrics sink of processes other than 0).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import math
 import os
 import re
+import sys
 
 import numpy as np
 
@@ -254,3 +256,25 @@ def plot_memory(history: list[dict], path: str, title: str = "device memory per 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def progress_bar(total: int):
+    """The loop's progress bar on stderr (``--progress``)."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()  # in a log file (SLURM, make demo > log) one line per 30 s, not per step
+    return tqdm(total=total, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stderr,
+                mininterval=0.1 if tty else 30.0, maxinterval=10.0 if tty else 60.0)
+
+
+class NoWriter:
+    """Metrics sink of processes other than 0 (process 0 writes metrics.jsonl and TensorBoard)."""
+
+    def write(self, step: int, metrics: dict) -> None:
+        pass
+
+    def amend(self, step: int, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

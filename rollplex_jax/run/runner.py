@@ -7,7 +7,10 @@
 
 Each step is one call into ``step.rl_step``; building a run is ``run.setup``, its memory policy and
 report ``memory.policy``, its summary fields ``run.summary``. This module wires them, runs the loop and
-writes outputs. From a flagfile: ``launch.api.runner_from_flagfile`` (flag parsing lives in ``launch``).
+writes outputs. A step that fails (a rollout past ``--rollout_timeout_s``: ``run.watchdog``; a reward error with
+``--reward_failure=raise``) gives its batch back and leaves the state of the last finished step, which
+``save_after_failure`` checkpoints (``launch.main`` does, then exits 1). From a flagfile:
+``launch.api.runner_from_flagfile`` (flag parsing lives in ``launch``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from rollplex_contract.batch import Rollouts
 from rollplex_jax.config import Config, ConfigError
 from rollplex_jax.data import dataset as data_lib
 from rollplex_jax.memory import policy as memory_policy
@@ -40,6 +42,7 @@ from rollplex_jax.run import outputs, validation
 from rollplex_jax.run import setup as run_setup
 from rollplex_jax.run import summary as run_summary
 from rollplex_jax.run.checkpoint import Checkpointer
+from rollplex_jax.run.watchdog import located
 from rollplex_jax.step import rl_step
 from rollplex_jax.trace import Tracer, plot_timeline, write_chrome_trace
 from rollplex_jax.weights.sharing import WeightPublisher
@@ -76,23 +79,25 @@ class Runner:
         self._warned_reward = False
         self._t0 = time.perf_counter()
         self._resume_or_start()
-        self.writer = outputs.MetricsWriter(self.workdir, keep_steps=self.step) if self.procs.writer else _NoWriter()
+        self.writer = outputs.MetricsWriter(self.workdir, keep_steps=self.step) if self.procs.writer else \
+            outputs.NoWriter()
 
     def _build_data(self) -> None:
         cfg = self.cfg
         self.tokenizer = run_setup.tokenizer(cfg)
-        load = lambda *a: run_setup.load_split(cfg, self.tokenizer, self.workdir, self.procs, *a, log=self.log)  # noqa: E731
-        self.train_set, self.train_report = load("train", cfg.data.dataset, cfg.data.synthetic_n, cfg.run.seed)
-        self.eval_set = None  # validation prompts (--val_dataset, or synthetic ones)
-        if cfg.data.has_validation:
-            self.eval_set, _ = load("eval", cfg.data.validation_dataset, cfg.data.eval_n, cfg.run.seed + 1_000_003)
+        load = functools.partial(run_setup.load_split, cfg, self.tokenizer, self.workdir, self.procs, log=self.log)
+        self.train_set, self.train_report = load("train")
+        self.eval_set = load("eval")[0] if cfg.data.has_validation else None  # --val_dataset, or synthetic ones
         self.last_validation: validation.Validation | None = None
         self.sampler = data_lib.PromptSampler(len(self.train_set), cfg.rl.batch_prompts, cfg.run.seed)
         self.lengths = memory_policy.data_lengths(cfg, self.train_set)
 
     def _build_state(self) -> None:
         cfg = self.cfg
-        placed = run_setup.initial_params(cfg)
+        source = f"loading the checkpoint {cfg.run.model_dir}" if cfg.run.model_dir else \
+            f"random init (no --model_dir; seed {cfg.run.seed})"
+        with run_setup.timed(self.log, f"model: {source}"):
+            placed = run_setup.initial_params(cfg)
         self.mesh, self.shardings = placed.mesh, placed.shardings
         self.optimizer_policy = memory_policy.optimizer_policy(cfg, self.lengths, self.log)
         offload = self.optimizer_policy == "offload"
@@ -106,7 +111,8 @@ class Runner:
 
     def _build_step(self) -> None:
         cfg = self.cfg
-        self.engine = run_setup.make_engine(cfg)
+        with run_setup.timed(self.log, f"engine: building --engine={cfg.rollout.engine}"):
+            self.engine = run_setup.make_engine(cfg)
         self.meter = MemoryMeter(cfg.memory.measure_memory, engine_bytes=self._engine_own_bytes)
         fn, kwargs = resolve_reward_fn(cfg.rl.reward), cfg.rl.reward_kwargs_dict
         try:
@@ -141,7 +147,8 @@ class Runner:
 
     def _restore(self, step: int) -> None:
         """Continues from checkpoint ``step``: train state, data position; metrics after it are dropped."""
-        saved, layout = self.checkpointer.meta(step).get("param_layout"), layout_record(self.cfg.model)
+        t0, saved, layout = time.perf_counter(), self.checkpointer.meta(step).get("param_layout"), \
+            layout_record(self.cfg.model)
         if saved != layout:  # same shapes, other row order: restoring would silently scramble the weights
             raise ConfigError(f"checkpoint {step} in {self.checkpointer.directory} holds the actor's parameters in "
                               f"layout {saved} (models/qwen2_5_vl/fused.py), this run's flags give {layout} "
@@ -156,7 +163,8 @@ class Runner:
         self.step = int(meta["step"])
         self.history = [r for r in outputs.read_metrics(self.workdir) if r["step"] <= self.step] \
             if os.path.exists(os.path.join(self.workdir, "metrics.jsonl")) else []
-        self.log(f"resume: continuing from the checkpoint of step {self.step} in {self.checkpointer.directory}")
+        self.log(f"resume: continuing from the checkpoint of step {self.step} in {self.checkpointer.directory} "
+                 f"(restored in {time.perf_counter() - t0:.1f} s)")
 
     # --- state ---------------------------------------------------------------------------------------
     def params_sha256(self) -> str:
@@ -192,7 +200,7 @@ class Runner:
     def run(self, steps: int | None = None):
         """Runs ``steps`` more steps (default: up to cfg.run.steps), yielding each step's metrics."""
         target = self.cfg.run.steps if steps is None else self.step + steps
-        bar = _progress_bar(target - self.step) if self.cfg.run.progress and target > self.step else None
+        bar = outputs.progress_bar(target - self.step) if self.cfg.run.progress and target > self.step else None
         if self.step == 0 and self.cfg.run.val_before_train and self.eval_set and \
                 not any(r["step"] == 0 for r in self.history):
             self._record(0, self.validate())
@@ -210,12 +218,23 @@ class Runner:
 
     def train_step(self) -> dict:
         """One RL step of the configured schedule; its metrics (also written to metrics.jsonl)."""
+        position = self.sampler.state()  # a failed step gives its batch back (save_after_failure saves it)
         batch = [self.train_set[i] for i in self.sampler.next_indices()]
         prompts = data_lib.collate(batch, self.tokenizer.pad_id)
         step_fn = rl_step.rollplex_step if self.cfg.run.schedule == "rollplex" else rl_step.serial_step
-        with self.mesh_scope():
-            result = step_fn(self.ctx, self.state, prompts, [e.answer for e in batch], seed=self._seed(self.step),
-                             step=self.step, tracer=self.tracer, extras=[getattr(e, "extra", {}) for e in batch])
+        first = self.last is None  # this process's first step: jit compiles its programs
+        if first:
+            self.log(f"step {self.step + 1}: the first step compiles its programs (XLA), which takes a while ...")
+        t0 = time.perf_counter()
+        try:
+            with self.mesh_scope(), located(f"step {self.step + 1}"):
+                result = step_fn(self.ctx, self.state, prompts, [e.answer for e in batch], seed=self._seed(self.step),
+                                 step=self.step, tracer=self.tracer, extras=[getattr(e, "extra", {}) for e in batch])
+        except BaseException:
+            self.sampler = data_lib.PromptSampler.from_state(position)
+            raise
+        if first:
+            self.log(f"step {self.step + 1}: done in {time.perf_counter() - t0:.1f} s (compilation included)")
         self.state, self.last, self.last_prompts = result.state, result, batch
         self.step += 1
         metrics = dict(result.metrics)
@@ -267,6 +286,28 @@ class Runner:
         self.close()
         return {"preempted": True, "steps_done": self.step, "checkpoint": self.checkpointer.latest_step()}
 
+    def save_after_failure(self) -> str:
+        """After an error out of ``run`` / ``train_step``: a checkpoint of the last finished step (waited for) when
+        there is one to keep; returns what was done, in words (``launch.main`` prints it, then exits 1).
+
+        The failed step leaves ``state`` as the last finished step wrote it unless its update had started: a rollout
+        timeout or a reward error strikes before; an update that failed after donating the state left its buffers
+        deleted, which is checked. Not with several processes: a save is collective, and the others may be stuck
+        elsewhere (their periodic checkpoints, ``--checkpoint_every``, stand).
+        """
+        if self.step == 0:
+            return "checkpoint: none written (no step had finished)"
+        if self.procs.many:
+            return (f"checkpoint: none written after the failure (a save is collective over the {self.procs.count} "
+                    f"processes); the last periodic one: step {self.checkpointer.latest_step()}")
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(_state_tree(self.state))):
+            return (f"checkpoint: none written (the failed step's update had consumed the train state); the last "
+                    f"periodic one: step {self.checkpointer.latest_step()}")
+        self.save()
+        self.checkpointer.wait()
+        return (f"checkpoint: step {self.step} (the last finished step) saved in {self.checkpointer.directory}; "
+                "rerun with --resume to continue from it")
+
     def _seed(self, step: int) -> int:
         return self.cfg.run.seed * 1_000_003 + step
 
@@ -279,9 +320,11 @@ class Runner:
             return {}
         r = self.cfg.run
         t = r.val_temperature if temperature is None else float(temperature)
-        v = validation.validate(self.ctx, self.state.params, self.eval_set, self.reward, step=self.step,
-                                pad_id=self.tokenizer.pad_id, temperature=t, seed=validation.val_seed(r.seed),
-                                n_log=r.val_generations_to_log if log_generations else 0, scope=self.mesh_scope)
+        val = validation.ValPrompts(self.eval_set, self.reward, self.tokenizer.pad_id, validation.val_seed(r.seed),
+                                    self.mesh_scope)
+        with located(f"validation at step {self.step}"):
+            v = validation.validate(self.ctx, self.state.params, val, step=self.step, temperature=t,
+                                    n_log=r.val_generations_to_log if log_generations else 0)
         if self.procs.writer:
             validation.write_generations(self.workdir, v.generations, self.log)
         self.last_validation = v
@@ -360,10 +403,6 @@ class Runner:
                       title=f"{self.cfg.run.schedule} schedule: last {len(shown)} steps")
 
     # --- the Python API for notebooks and scripts ----------------------------------------------------
-    @property
-    def last_rollouts(self) -> Rollouts | None:
-        return None if self.last is None else self.last.rollouts
-
     def fork(self, workdir: str | os.PathLike, *, log=None, **overrides) -> Runner:
         """A new runner in ``workdir`` that continues from this one's current step with some flags changed.
 
@@ -437,27 +476,6 @@ class Runner:
             keep = set(sorted({s.step for s in spans})[-last_steps:]) if last_steps > 0 else set()
             spans = [s for s in spans if s.step in keep]
         return spans
-
-
-def _progress_bar(total: int):
-    from tqdm import tqdm
-
-    tty = sys.stderr.isatty()  # in a log file (SLURM, make demo > log) one line per 30 s, not per step
-    return tqdm(total=total, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stderr,
-                mininterval=0.1 if tty else 30.0, maxinterval=10.0 if tty else 60.0)
-
-
-class _NoWriter:
-    """Metrics sink of processes other than 0 (process 0 writes metrics.jsonl and TensorBoard)."""
-
-    def write(self, step: int, metrics: dict) -> None:
-        pass
-
-    def amend(self, step: int, metrics: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _state_tree(state: rl_step.TrainState) -> dict:

@@ -6,24 +6,35 @@ needs, so a notebook or a test can build one piece alone. Nothing here runs a st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import shutil
+import time
 
 import jax
 import jax.numpy as jnp
 
 from rollout_torch.hf_engine import HFEngine
-from rollplex_jax.config import Config, ConfigError, DataConfig
+from rollplex_jax.config import Config, ConfigError
 from rollplex_jax.data import dataset as data_lib
 from rollplex_jax.data import synthetic
-from rollplex_jax.data.rows import RowFormat
 from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
-from rollplex_jax.data.video_sampling import VideoRule
 from rollplex_jax.memory.meter import MemoryMeter
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
 from rollplex_jax.models.qwen2_5_vl.params import init_params
 from rollplex_jax.parallel import mesh as mesh_lib
 from rollplex_jax.parallel import multihost, threads
+from rollplex_jax.run.watchdog import TimedEngine
+
+
+@contextlib.contextmanager
+def timed(log, what: str):
+    """Logs ``what ...`` now and ``what: done in X s`` after the block (start-up steps that take a while)."""
+    log(f"{what} ...")
+    t0 = time.perf_counter()
+    yield
+    log(f"{what}: done in {time.perf_counter() - t0:.1f} s")
 
 
 def tokenizer(cfg: Config):
@@ -61,33 +72,63 @@ def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
                           "launch.plan` classifies the weight sharing of such a layout. Use --rollout_tp=1 to train.")
 
 
-def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split: str, path: str, n: int, seed: int,
+def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split: str, *,
                log) -> tuple[data_lib.Dataset, data_lib.DataReport]:
-    """The examples of ``split`` (``train`` / ``eval``): ``path``, or the synthetic task written into the workdir
-    (by process 0; the others wait for it)."""
+    """The examples of ``split``: ``train`` (``--dataset``) or ``eval`` (``--val_dataset``); without a file, the
+    synthetic task written into the workdir (by process 0; the others wait for it): ``<workdir>/data`` (seed
+    ``--seed``, ``--synthetic_n`` prompts) or ``<workdir>/eval_data`` (another seed, ``--eval_n`` prompts)."""
     d = cfg.data
+    path = d.dataset if split == "train" else d.validation_dataset
     if not path:
-        out = os.path.join(workdir, "data" if split == "train" else "eval_data")
-        if procs.writer and not os.path.exists(os.path.join(out, "data.jsonl")):
-            synthetic.write_dataset(d.synthetic_task, n, out, seed, image_size=d.synthetic_image_size,
-                                    video_frames=d.synthetic_video_frames, image_sizes=d.image_sizes())
-        multihost.barrier(f"data:{split}", procs)  # the others read what process 0 wrote
-        path = os.path.join(out, "data.jsonl")
-    return data_lib.load_dataset(path, tok, cfg.model.vision, min_pixels=d.min_pixels, max_pixels=d.max_pixels,
-                                 max_prompt_len=d.max_prompt_len, cache_bytes=d.image_cache_mb << 20,
-                                 fmt=row_format(d), video_rule=video_rule(d), log=log)
+        path = _synthetic(cfg, workdir, procs, split, log)
+    return data_lib.load_dataset(path, tok, cfg.model.vision, data_lib.LoadOptions.from_config(d), log=log)
 
 
-def row_format(d: DataConfig) -> RowFormat:
-    """How the dataset's rows read (``--prompt_key`` etc.)."""
-    return RowFormat(prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key, video_key=d.video_key,
-                     image_dir=d.image_dir, format_prompt=d.format_prompt)
+def _synthetic(cfg: Config, workdir: str, procs: multihost.Processes, split: str, log) -> str:
+    """``data.jsonl`` of the synthetic split, written now unless the workdir holds it written from the same flags.
+
+    Written from other flags: rewritten (the directory is the run's own), unless the workdir has checkpoints,
+    which were trained on it: then ``ConfigError``. Without a record of its flags (written by a version before
+    they were recorded): rewritten, or with checkpoints reused as it is, as that version did.
+    """
+    d = cfg.data
+    n, seed = (d.synthetic_n, cfg.run.seed) if split == "train" else (d.eval_n, cfg.run.seed + 1_000_003)
+    out = os.path.join(workdir, "data" if split == "train" else "eval_data")
+    jsonl, want = os.path.join(out, "data.jsonl"), synthetic.dataset_key(
+        d.synthetic_task, n, seed, d.synthetic_image_size, d.synthetic_video_frames, d.image_sizes())
+    have, trained = synthetic.written_key(out), _has_checkpoints(workdir)
+    exists = os.path.exists(jsonl)
+    if exists and have is not None and have != want and trained:
+        raise ConfigError(f"{out} holds the synthetic {split} prompts written from {_flags(have, split)}, but this "
+                          f"run's flags give {_flags(want, split)}, and the checkpoints in {workdir}/checkpoints "
+                          "were trained on them: pass the flags they were written with, or choose another --workdir")
+    if exists and have is None and trained:
+        log(f"data: {out} records no flags (written by an earlier version): reused as it is")
+    elif (not exists or have != want) and procs.writer:
+        if exists:
+            log(f"data: {out} was written from {_flags(have, split) if have else 'unrecorded flags'}; this run's "
+                f"flags give {_flags(want, split)}: writing it anew")
+            shutil.rmtree(out)
+        synthetic.write_dataset(d.synthetic_task, n, out, seed, image_size=d.synthetic_image_size,
+                                video_frames=d.synthetic_video_frames, image_sizes=d.image_sizes())
+    multihost.barrier(f"data:{split}", procs)  # the others read what process 0 wrote
+    return jsonl
 
 
-def video_rule(d: DataConfig) -> VideoRule:
-    """How videos are sampled and sized (``--video_fps`` etc.)."""
-    return VideoRule(fps=d.video_fps, min_frames=d.video_min_frames, max_frames=d.video_max_frames,
-                     min_pixels=d.video_min_pixels, max_pixels=d.video_max_pixels, total_pixels=d.video_total_pixels)
+def _flags(key: dict, split: str) -> str:
+    """A ``synthetic.dataset_key`` in the flags' words."""
+    names = {"task": "--synthetic_task", "image_size": "--synthetic_image_size",
+             "video_frames": "--synthetic_video_frames", "image_sizes": "--synthetic_image_sizes",
+             "n": "--synthetic_n" if split == "train" else "--eval_n",
+             "seed": "--seed" if split == "train" else "seed (--seed + 1000003)"}
+    return ", ".join(f"{names.get(k, k)}={','.join(map(str, v)) if isinstance(v, list) else v}"
+                     for k, v in key.items())
+
+
+def _has_checkpoints(workdir: str) -> bool:
+    """Whether ``<workdir>/checkpoints`` holds a committed checkpoint (a directory named by its step)."""
+    d = os.path.join(workdir, "checkpoints")
+    return os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,14 +163,17 @@ def make_engine(cfg: Config):
     """The rollout engine of ``--engine`` (transformers everywhere; vLLM where installed), with torch's CPU
     threads set: ``--torch_threads=N`` before the engine is built (vLLM may change it); by default
     ``threads.default_torch_threads`` when the decode runs on the CPU (so that torch and XLA's pool do not
-    oversubscribe the cores), torch's own choice when it does not."""
+    oversubscribe the cores), torch's own choice when it does not. With ``--rollout_timeout_s`` > 0 (the default)
+    each ``generate`` has that deadline (``watchdog.TimedEngine``)."""
     import torch
 
     if cfg.rollout.torch_threads:
         torch.set_num_threads(cfg.rollout.torch_threads)
     elif decodes_on_cpu(cfg):
         torch.set_num_threads(threads.default_torch_threads(threads.usable_cores()))
-    return _build_engine(cfg)
+    engine = _build_engine(cfg)
+    r = cfg.rollout
+    return TimedEngine(engine, r.rollout_timeout_s, f"--engine={r.engine}") if r.rollout_timeout_s else engine
 
 
 def decodes_on_cpu(cfg: Config) -> bool:

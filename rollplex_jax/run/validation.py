@@ -21,11 +21,13 @@ every process returns the same result.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import textwrap
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -67,13 +69,26 @@ def val_metrics(scores: RewardScores, lengths: np.ndarray) -> dict[str, float]:
     return out
 
 
-def validate(ctx: rl_step.StepContext, params, examples: data_lib.Dataset, reward, *, step: int, pad_id: int,
-             temperature: float, seed: int, n_log: int, scope) -> Validation:
-    """One answer per prompt of ``examples`` under ``params``, scored by ``reward`` (a ``RewardRunner``).
+@dataclasses.dataclass(frozen=True)
+class ValPrompts:
+    """What every validation of a run shares: the held-out ``examples``, the ``reward`` runner that scores them
+    (a ``RewardRunner``), the tokenizer's ``pad_id``, the sampling ``seed`` (``val_seed``) and ``scope()``, the
+    context program calls run in (the runner's mesh scope)."""
 
-    ``scope()``: the context program calls run in (the runner's mesh scope). Every process must call this
+    examples: data_lib.Dataset
+    reward: Callable[..., RewardScores]
+    pad_id: int
+    seed: int
+    scope: Callable[[], contextlib.AbstractContextManager]
+
+
+def validate(ctx: rl_step.StepContext, params, val: ValPrompts, *, step: int, temperature: float,
+             n_log: int) -> Validation:
+    """One answer per prompt of ``val.examples`` under ``params`` (greedy at ``temperature`` 0, else sampled with
+    ``val.seed``), scored by ``val.reward``; the first ``n_log`` generations kept. Every process must call this
     together (the scores are all-gathered).
     """
+    examples, reward, pad_id, seed, scope = val.examples, val.reward, val.pad_id, val.seed, val.scope
     t0 = time.perf_counter()
     procs, bs = ctx.procs, ctx.cfg.rollout.max_batch
     mine = multihost.share(len(examples), procs.index, procs.count)

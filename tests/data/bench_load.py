@@ -61,7 +61,7 @@ def main() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := current RSS
     t0 = time.perf_counter()
-    ds, rep = D.load_dataset(path, tok, vision, min_pixels=3136, max_pixels=3136, max_prompt_len=64,
+    ds, rep = D.load_dataset(path, tok, vision, D.LoadOptions(min_pixels=3136, max_pixels=3136, max_prompt_len=64),
                              log=lambda m: None)
     load_s = time.perf_counter() - t0
     after, peak = _status_mib("VmRSS"), _status_mib("VmHWM")

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from rollplex_contract.batch import Prompts
-from rollplex_jax.data.dataset import DataError, DataReport, _lines, _parse_row
+from rollplex_jax.data.dataset import DataError, DataReport
 from rollplex_jax.data.image_processing import (
     ImageLoadError,
     load_image,
@@ -20,7 +20,25 @@ from rollplex_jax.data.image_processing import (
     preprocess_images,
     smart_resize,
 )
+from rollplex_jax.data.sources import jsonl_lines, read_json_row
 from rollplex_jax.data.tokenizer import render_prompt
+
+
+def _parse_row(where: str, line: bytes) -> dict:
+    """A row of the original JSONL format ``{"images": [paths], "prompt": str, "answer": str}``, its fields checked
+    as that time's strict reader did; ``DataError`` naming ``where``."""
+    row = read_json_row(where, line)
+    for key in ("prompt", "answer"):
+        if key not in row:
+            raise DataError(f"{where}: missing field {key!r} (a string)")
+        if not isinstance(row[key], str):
+            raise DataError(f"{where}: field {key!r} must be a string, got {type(row[key]).__name__} {row[key]!r}")
+    if "images" not in row:
+        raise DataError(f"{where}: missing field 'images' (a list of image paths, relative to the file)")
+    images = row["images"]
+    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
+        raise DataError(f"{where}: field 'images' must be a list of non-empty path strings, got {images!r}")
+    return row
 
 
 def _decode_row(images, factor, min_pixels, max_pixels):
@@ -43,7 +61,7 @@ def eager_load(path, tok, vision, *, min_pixels, max_pixels, max_prompt_len, log
     base = os.path.dirname(os.path.abspath(path))
     factor = vision.patch_size * vision.spatial_merge_size
     examples, rep = [], DataReport()
-    for lineno, _, line in _lines(path):
+    for lineno, _, line in jsonl_lines(path):
         rep.rows += 1
         where = f"{path}:{lineno}"
         row = _parse_row(where, line)

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from rollplex_jax.config import VisionConfig
-from rollplex_jax.data.dataset import DataError, PromptSampler, collate, load_dataset, load_jsonl
+from rollplex_jax.data.dataset import DataError, LoadOptions, PromptSampler, collate, load_dataset
 from rollplex_jax.data.image_processing import load_image, preprocess_images
 from rollplex_jax.data.synthetic import write_dataset
 from rollplex_jax.data.tokenizer import TinyTokenizer, render_prompt
@@ -18,7 +18,7 @@ LIMITS = dict(min_pixels=56 * 56, max_pixels=56 * 56 * 4, max_prompt_len=64)
 
 def _load(path, **kw):
     logs = []
-    examples, rep = load_dataset(path, TinyTokenizer(), VISION, log=logs.append, **{**LIMITS, **kw})
+    examples, rep = load_dataset(path, TinyTokenizer(), VISION, LoadOptions(**{**LIMITS, **kw}), log=logs.append)
     return examples, rep, logs
 
 
@@ -34,7 +34,7 @@ def _write_rows(path, rows):
 
 def test_synthetic_round_trip(tmp_path):
     path = write_dataset("colour", 6, tmp_path, seed=0)
-    rows = load_jsonl(path)
+    rows = [json.loads(line) for line in open(path) if line.strip()]
     examples, rep, logs = _load(path)
     assert rep.to_dict() == {"rows": 6, "kept": 6, "bad_image": 0, "bad_video": 0, "empty_answer": 0,
                                "resized": 0, "too_long": 0}
@@ -89,24 +89,21 @@ def test_too_long_prompts_are_filtered_not_truncated(tmp_path):
     assert "2 over max_prompt_len=10" in str(e.value)
 
 
-# load_jsonl is the strict reader of the original format; load_dataset reads every format (rows.py), where a
-# row without images is a text prompt, a single image needs no list and a numeric answer is its text.
-@pytest.mark.parametrize("line,match,loaded", [
-    ('{"images": [], "prompt": "what colour?"', "not valid JSON", "not valid JSON"),
-    ('["a.png"]', "must be a JSON object", "must be a JSON object"),
-    ('{"images": ["a.png"], "prompt": "what colour?"}', "missing field 'answer'", "no column 'answer'"),
-    ('{"images": ["a.png"], "answer": "red"}', "missing field 'prompt'", "no column 'prompt'"),
-    ('{"prompt": "what colour?", "answer": "red"}', "missing field 'images'", None),
-    ('{"images": "a.png", "prompt": "what colour?", "answer": "red"}', "'images' must be a list", None),
-    ('{"images": ["a.png"], "prompt": "what colour?", "answer": 3}', "'answer' must be a string", None),
-    ('{"images": ["a.png"], "prompt": "what colour?", "answer": [3]}', "'answer' must be a string", "string or a num"),
+# load_dataset reads every format (rows.py): a row without images is a text prompt, a single image needs no list
+# and a numeric answer is its text (loaded None: the row loads).
+@pytest.mark.parametrize("line,loaded", [
+    ('{"images": [], "prompt": "what colour?"', "not valid JSON"),
+    ('["a.png"]', "must be a JSON object"),
+    ('{"images": ["a.png"], "prompt": "what colour?"}', "no column 'answer'"),
+    ('{"images": ["a.png"], "answer": "red"}', "no column 'prompt'"),
+    ('{"prompt": "what colour?", "answer": "red"}', None),
+    ('{"images": "a.png", "prompt": "what colour?", "answer": "red"}', None),
+    ('{"images": ["a.png"], "prompt": "what colour?", "answer": 3}', None),
+    ('{"images": ["a.png"], "prompt": "what colour?", "answer": [3]}', "string or a num"),
 ])
-def test_malformed_lines_name_file_and_line(tmp_path, line, match, loaded):
+def test_malformed_lines_name_file_and_line(tmp_path, line, loaded):
     good = '{"images": ["a.png"], "prompt": "what colour?", "answer": "red"}'
     path = _write_rows(tmp_path / "d.jsonl", [good, "", good, line])
-    with pytest.raises(DataError, match=match) as e:
-        load_jsonl(path)
-    assert f"{path}:4" in str(e.value)
     _png(tmp_path / "a.png")
     if loaded is None:
         examples, rep, _ = _load(path)
@@ -119,7 +116,7 @@ def test_malformed_lines_name_file_and_line(tmp_path, line, match, loaded):
 
 def test_file_level_errors(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
-        load_jsonl(tmp_path / "nope.jsonl")
+        _load(tmp_path / "nope.jsonl")
     with pytest.raises(DataError, match="has no rows"):
         _load(_write_rows(tmp_path / "blank.jsonl", ["", "  "]))
     _png(tmp_path / "a.png")
@@ -129,6 +126,37 @@ def test_file_level_errors(tmp_path):
     path = _write_rows(tmp_path / "d.jsonl", [{"images": ["missing.png"], "prompt": "what colour?", "answer": "red"}])
     with pytest.raises(DataError, match="1 with bad images"):
         _load(path)
+
+
+def test_unknown_word_without_model_dir_says_to_pass_it(tmp_path):
+    """A real dataset's words are not the tiny demo tokenizer's: the error says which flag loads a real model."""
+    path = _write_rows(tmp_path / "d.jsonl", [{"prompt": "What is the area of the triangle?", "answer": "12"}])
+    with pytest.raises(DataError) as e:
+        _load(path)
+    msg = str(e.value)
+    assert f"{path}:1" in msg and "'What'" in msg
+    assert "--model_dir=<a local Hugging Face Qwen2.5-VL checkpoint directory" in msg
+    assert "config.json" in msg and "safetensors" in msg
+
+
+def test_skipped_rows_log_the_first_ten_then_counts_per_cause(tmp_path):
+    """15 bad rows (9 with a missing image, 6 over max_prompt_len, interleaved): one warning each for the first 10
+    rows in file order, one line counting the other 5 per cause, and the summary counting all 15."""
+    _png(tmp_path / "a.png")
+    missing = {"images": ["missing.png"], "prompt": "what colour?", "answer": "red"}
+    long = {"images": ["a.png", "a.png"], "prompt": "what colour?", "answer": "red"}  # 23 tokens > 20
+    good = {"images": ["a.png"], "prompt": "what colour?", "answer": "red"}  # 17 tokens
+    bad = [missing, long, missing] * 5  # rows 2..16: 10 missing images, 5 too long
+    path = _write_rows(tmp_path / "d.jsonl", [good, *bad, good])
+    examples, rep, logs = _load(path, max_prompt_len=20)
+    assert (rep.kept, rep.bad_image, rep.too_long) == (2, 10, 5)
+    warned = [m for m in logs if "row skipped" in m]
+    assert [m.split(": row skipped")[0] for m in warned] == [f"warning: {path}:{i}" for i in range(2, 12)]
+    rest = [m for m in logs if "more rows skipped" in m]  # rows 12..16: missing, long, missing, missing, long
+    assert rest == ["warning: 5 more rows skipped without a line each (3 with bad images, 2 over max_prompt_len=20); "
+                    "the first 10 are above, the summary below counts every cause"]
+    assert "skipped 10 with bad images, 5 over max_prompt_len=20" in logs[-1]
+    assert len(logs) == 12
 
 
 def test_collate_left_pads_and_keeps_pixel_order(tmp_path):

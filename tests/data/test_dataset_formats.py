@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from rollplex_jax.config import VisionConfig
-from rollplex_jax.data.dataset import DataError, collate, load_dataset
+from rollplex_jax.data.dataset import DataError, LoadOptions, collate, load_dataset
 from rollplex_jax.data.image_processing import load_image, preprocess_images
 from rollplex_jax.data.rows import BUILTIN_FORMATS, RowFormat
 from rollplex_jax.data.tokenizer import IMAGE, TinyTokenizer, render_messages
@@ -29,7 +29,7 @@ def _png_bytes(colour=(200, 0, 0), size=(56, 56)) -> bytes:
 
 def _load(path, fmt=RowFormat(), **kw):
     logs = []
-    ds, rep = load_dataset(path, TOK, VISION, fmt=fmt, log=logs.append, **{**LIMITS, **kw})
+    ds, rep = load_dataset(path, TOK, VISION, LoadOptions(fmt=fmt, **{**LIMITS, **kw}), log=logs.append)
     return ds, rep, logs
 
 

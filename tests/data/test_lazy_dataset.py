@@ -26,7 +26,7 @@ PATCH_BYTES = VISION.patch_dim * 4  # one fp32 patch row
 
 def _load(path, **kw):
     logs = []
-    ds, rep = D.load_dataset(path, TinyTokenizer(), VISION, log=logs.append, **{**LIMITS, **kw})
+    ds, rep = D.load_dataset(path, TinyTokenizer(), VISION, D.LoadOptions(**{**LIMITS, **kw}), log=logs.append)
     return ds, rep, logs
 
 

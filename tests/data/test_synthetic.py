@@ -114,3 +114,49 @@ def test_video_count_clips_hold_the_answer_only_across_frames(tmp_path):
         assert sum(lit[0::2]) == int(row["answer"])
         answers.append(row["answer"])
     assert set(answers) == {"1", "2", "3", "4"}
+
+
+def test_synthetic_split_is_keyed_by_its_flags(tmp_path):
+    """<workdir>/data is reused only when this run's flags would write the same files: other flags rewrite it, or
+    (with checkpoints trained on it) refuse; a split written before its flags were recorded is rewritten, or with
+    checkpoints reused as it is."""
+    from rollplex_jax.config import Config, ConfigError, DataConfig, ModelConfig, RunConfig
+    from rollplex_jax.data.tokenizer import TinyTokenizer
+    from rollplex_jax.parallel.multihost import Processes
+    from rollplex_jax.run import setup as run_setup
+
+    wd = str(tmp_path / "run")
+    model = ModelConfig.from_json_file(os.path.join(REPO, "configs", "models", "demo.json"))
+
+    def load(**data):
+        logs = []
+        cfg = Config(model=model, run=RunConfig(workdir=wd),
+                     data=DataConfig(eval_n=0, min_pixels=3136, max_pixels=3136, max_prompt_len=64, **data))
+        ds, rep = run_setup.load_split(cfg, TinyTokenizer(), wd, Processes(), "train", log=logs.append)
+        return ds, [m for m in logs if not m.startswith("data: ") or "kept" not in m]
+
+    ds, logs = load(synthetic_n=8)
+    assert len(ds) == 8 and logs == []
+    ds, logs = load(synthetic_n=12)  # another count: written anew, not the 8 rows of before
+    assert len(ds) == 12
+    assert logs == [f"data: {wd}/data was written from --synthetic_task=colour, --synthetic_n=8, --seed=0, "
+                    "--synthetic_image_size=56; this run's flags give --synthetic_task=colour, --synthetic_n=12, "
+                    "--seed=0, --synthetic_image_size=56: writing it anew"]
+    written = os.path.getmtime(os.path.join(wd, "data", "data.jsonl"))
+    ds, logs = load(synthetic_n=12, synthetic_video_frames=10)  # a flag the colour task does not read
+    assert len(ds) == 12 and logs == [] and os.path.getmtime(os.path.join(wd, "data", "data.jsonl")) == written
+    ds, _ = load(synthetic_n=12, synthetic_task="count")
+    assert {e.answer for e in ds} <= {"1", "2", "3", "4"}
+
+    os.makedirs(os.path.join(wd, "checkpoints", "3"))  # a checkpoint was trained on these prompts
+    with pytest.raises(ConfigError, match=r"--synthetic_task=count, --synthetic_n=12.*--synthetic_task=colour, "
+                                          r"--synthetic_n=12.*checkpoints"):
+        load(synthetic_n=12)
+
+    os.remove(os.path.join(wd, "data", "synthetic.json"))  # as an earlier version left it
+    ds, logs = load(synthetic_n=5)
+    assert len(ds) == 12 and logs == [f"data: {wd}/data records no flags (written by an earlier version): reused as "
+                                      "it is"]
+    os.rmdir(os.path.join(wd, "checkpoints", "3"))
+    ds, logs = load(synthetic_n=5)
+    assert len(ds) == 5 and "unrecorded flags" in logs[0]

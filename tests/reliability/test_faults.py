@@ -185,6 +185,65 @@ def test_hanging_reward_with_failure_raise_exits_promptly(tmp_path):
     assert wall < 60
 
 
+# --- 4b: a rollout that hangs --------------------------------------------------------------------------
+
+def test_timed_engine_is_the_engine_with_a_deadline():
+    """run/watchdog.TimedEngine: the engine's attributes read and written through it, its errors raised in the
+    caller (generate runs in a worker thread), a deadline that must be > 0."""
+    from rollout_torch.hf_engine import HFEngine
+    from rollplex_contract.batch import Prompts, SamplingParams
+    from rollplex_jax.run.watchdog import TimedEngine
+
+    inner = HFEngine(ModelConfig.from_json_file(DEMO).to_hf_dict(), max_batch=8)
+    engine = TimedEngine(inner, 30, "--engine=hf")
+    assert engine.layout == "hf" and not engine.stuck
+    engine.share_prefill = False  # launch.bench_rollout sets it on the runner's engine
+    assert inner.share_prefill is False
+    prompts = Prompts(input_ids=np.ones((1, 3), np.int32), attention_mask=np.ones((1, 3), np.int32))
+    with pytest.raises(RuntimeError, match="generate called before bind"):  # the engine's own error
+        engine.generate(prompts, 2, SamplingParams())
+    assert not engine.stuck
+    with pytest.raises(ValueError, match="deadline > 0"):
+        TimedEngine(inner, 0, "--engine=hf")
+
+
+def test_hung_rollout_stops_the_run_with_a_checkpoint_that_resumes(tmp_path):
+    """The engine's second generate never returns (tests/reliability/hang_rollout.py): past --rollout_timeout_s the
+    step fails naming the step, the engine and the flag, the checkpoint of step 1 is written (no periodic ones:
+    --checkpoint_every=0), the process exits 1 without waiting for the hung thread; a resume continues from it."""
+    from launch.api import runner_from_flagfile
+    from rollplex_jax.run.checkpoint import Checkpointer
+
+    wd = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # 10 s: ~50x what this tiny generate takes (B 2 x G 4 answers of 3 tokens) even on a loaded 2-core machine.
+    r = subprocess.run([sys.executable, "-m", "tests.reliability.hang_rollout", "--hang_at_call=2", *TINY,
+                        f"--workdir={wd}", "--checkpoint_every=0", "--rollout_timeout_s=10"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert ("error: step 2: the rollout engine (--engine=hf) did not return from generate within "
+            "--rollout_timeout_s=10 s (8 sequences)") in r.stderr, r.stderr[-3000:]
+    assert "hang_rollout.py" in r.stderr.split("where the rollout thread is stuck")[1]  # the hung thread's stack
+    assert f"checkpoint: step 1 (the last finished step) saved in {wd / 'checkpoints'}" in r.stderr
+    for started in ("model: random init (no --model_dir; seed 0): done in ", "engine: building --engine=hf: done in ",
+                    "step 1: done in "):  # the long start-up steps say what they do and how long it took
+        assert started in r.stderr, started
+    assert [row["step"] for row in _rows(wd)] == [1]
+    assert sorted(os.listdir(wd / "checkpoints")) == ["1"]
+    ck = Checkpointer(str(wd), keep=2)
+    assert ck.meta(1)["sampler"]["position"] == 2  # step 1's batch only: the failed step gave its batch back
+    ck.close()
+
+    logs = []  # the same flags with --resume, in this process
+    resumed = runner_from_flagfile("configs/tiny_cpu.flags", workdir=wd, steps=2, batch_prompts=2, group_size=4,
+                                   synthetic_n=8, eval_n=0, progress=False, checkpoint_every=0, resume=True,
+                                   log=logs.append)
+    assert resumed.step == 1 and any("continuing from the checkpoint of step 1" in m for m in logs)
+    list(resumed.run())
+    resumed.close()
+    assert [row["step"] for row in _rows(wd)] == [1, 2]
+
+
 # --- 5: a missing or incomplete model directory -----------------------------------------------------
 
 def _qwen_like_tokenizer(path) -> HFTokenizer:
@@ -243,8 +302,10 @@ def test_model_dir_problems_name_what_is_missing(tmp_path):
     params = init_params(model, jax.random.key(3))
     save_hf_checkpoint(d, model, params)
     cfg = dataclasses.replace(cfg, model=model, run=dataclasses.replace(cfg.run, workdir=str(tmp_path / "r3")))
-    runner = Runner(cfg, log=lambda m: None)
+    logs = []
+    runner = Runner(cfg, log=logs.append)
     assert params_sha256(runner.state.params) == params_sha256(params)
+    assert any(m.startswith(f"model: loading the checkpoint {d}: done in ") for m in logs), logs
     runner.close()
     from safetensors.numpy import load_file, save_file
 
@@ -281,7 +342,7 @@ def test_empty_answers_decode_to_nothing_score_zero_and_do_not_update(tmp_path):
         "lm_head.weight": p["lm_head.weight"].at[eos, 0].set(100.0)})
     before = _host(r.state.params)
     m = r.train_step()
-    got = r.last_rollouts
+    got = r.last.rollouts
     assert (got.lengths == 1).all() and (got.response_ids[..., 0] == eos).all()
     assert r.last.texts == [[""] * 4] * 2
     assert m["reward/mean"] == 0.0 and m["reward/failures"] == 0.0

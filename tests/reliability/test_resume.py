@@ -40,7 +40,7 @@ def _config(workdir, schedule="serial", steps=4, every=2, resume=False) -> Confi
         data=DataConfig(synthetic_n=16, eval_n=0, min_pixels=3136, max_pixels=3136, max_prompt_len=64),
         rollout=RolloutConfig(group_size=4, max_new_tokens=3, max_batch=64),
         rl=RlConfig(batch_prompts=2, micro_batch=8, kl_coef=0.1, reward="tests.reward_fns:length_parity"),
-        optim=OptimConfig(lr=3e-3),
+        optim=OptimConfig(lr=3e-3, lr_schedule="cosine", weight_decay=0.0),  # tiny_cpu.flags' (_launch's) own
         checkpoint=CheckpointConfig(every=every, keep=3),
         run=RunConfig(workdir=str(workdir), steps=steps, progress=False, schedule=schedule, resume=resume),
     )
