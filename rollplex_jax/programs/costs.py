@@ -43,7 +43,7 @@ ZERO = ProgramCost(0.0, 0.0, 0.0, 0)
 def program_costs(jitted, *args, **kwargs) -> ProgramCost:
     """``jitted`` (a ``jax.jit`` function, or anything with ``.lower``) compiled for ``args``: XLA's counts.
 
-    Example: ``program_costs(programs.grad, params, mb.inputs, mb.prompt_len, ids, w, adv, None, ref).flops``.
+    Example: ``program_costs(programs.grad, params, mb.inputs, mb.prompt_len, answers).flops``.
     """
     compiled = jitted.lower(*args, **kwargs).compile()
     analysis = compiled.cost_analysis()
@@ -69,9 +69,10 @@ def serial_phase_costs(model, rl, optim, prog, params, ref_params, mbs, weights,
       weights: token weights [B*G, Tr] of all rows (one mini-batch); advantages [B*G]; old_logp, ref_logp:
         [B*G, Tr] or None, sliced per micro-batch as ``SerialOps.grads`` does.
     """
-    from rollplex_jax.programs.actor import make_programs  # here: actor imports nothing of this module
+    from rollplex_jax.programs.actor import Answers, make_programs  # here: actor imports nothing of this module
 
-    dense = make_programs(model, rl, optim, 1, prog=dataclasses.replace(prog, attention="dense"))
+    # temperature 1: dividing the logits by another one adds one elementwise op over [rows, Tr, V], no matmul
+    dense = make_programs(model, rl, optim, 1, prog=dataclasses.replace(prog, attention="dense"), temperature=1.0)
     out = {"reference": ZERO, "actor": ZERO}
     for mb in mbs:
         r = mb.rows
@@ -79,6 +80,7 @@ def serial_phase_costs(model, rl, optim, prog, params, ref_params, mbs, weights,
                                           mb.response_ids, mb.response_mask)
         old = None if old_logp is None else old_logp[r]
         ref = None if ref_logp is None else ref_logp[r]
-        out["actor"] += program_costs(dense.grad, params, mb.inputs, mb.prompt_len, mb.response_ids,
-                                      jnp.asarray(weights)[r], advantages[r], old, ref)
+        answers = Answers(ids=mb.response_ids, weights=jnp.asarray(weights)[r], advantages=advantages[r], old=old,
+                          ref=ref)
+        out["actor"] += program_costs(dense.grad, params, mb.inputs, mb.prompt_len, answers)
     return out
