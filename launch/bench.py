@@ -6,8 +6,9 @@ Modes (``--bench_modes``, default all): serial; rollplex (prefix sharing + overl
 (--noprefix_sharing); sharing_only (--nooverlap). Each runs warm-up steps (compilation) then timed steps from the
 same initial params and prompts; step_s is the median timed step. The updated params of every
 mode are compared with serial's in units of the update (``launch.equivalence``: per-element
-|a - b| / (lr x updates), attention key biases excluded, their exact gradient is zero): equivalent
-when the 99.9th percentile is <= --bench_tolerance (max and percentile in ``update_diff``);
+|a - b| / (lr x updates), in the checkpoint's layout, the decoder's attention key biases excluded: their exact
+gradient is zero): equivalent when the 99.9th percentile is <= --bench_tolerance (max and percentile in
+``update_diff``);
 ``max_param_rel_diff`` (max over tensors of ||a - b|| / ||b||) is kept for reference.
 Overlap accounting per mode (means over timed steps; per step in each trace.json, lane "overlap"):
 ``decode_slowdown_s`` is the mode's rollout minus serial's rollout of the same step (same params and
@@ -115,7 +116,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     import numpy as np
 
-    from launch.equivalence import ZERO_GRADIENT, update_distance
+    from launch.equivalence import ZERO_GRADIENT, checkpoint_layout, update_distance
     from rollplex_jax.trace import plot_timelines_side_by_side
 
     cfg = launch_flags.config_from_flags(flags.FLAGS)
@@ -134,6 +135,7 @@ def main(argv):
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         results[name], params[name], spans[name], alone = run_mode(cfg, name, _STEPS.value, _WARMUP.value, alone)
         print(f"bench: {name} step_s={results[name]['step_s']:.3f}", file=sys.stderr, flush=True)
+    params = {name: checkpoint_layout(p, cfg.model) for name, p in params.items()}  # q/k/v apart: ZERO_GRADIENT
     base = params["serial"]
     diffs = {name: max(float(np.linalg.norm(p[k] - base[k]) / (np.linalg.norm(base[k]) + 1e-30))
                        for k in base if not k.endswith(ZERO_GRADIENT))

@@ -43,7 +43,7 @@ def main(argv):
         for way in times:
             runner.engine.share_prefill = way == "shared"
             t0 = time.perf_counter()
-            outs[way] = rl_step.sample(runner.ctx, runner.state.params, prompts, n=g, seed=k)
+            outs[way] = rl_step.sample(runner.ctx, runner.state.params, prompts, rl_step.Draw(n=g, seed=k))
             if k:  # the first of each way is a warm-up
                 times[way].append(time.perf_counter() - t0)
     runner.engine.share_prefill = True

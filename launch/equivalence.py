@@ -19,17 +19,38 @@ import numpy as np
 
 #: Tensors whose exact gradient is identically zero: adding q . b_k to every score of a query leaves the
 #: softmax unchanged, so what any program computes for the decoder's k bias is rounding noise, which AdamW
-#: turns into steps of up to lr; its value never changes an output. Left out of update comparisons: the k
-#: bias is rows of the fused ``qkv_proj.bias`` (``fused.py``), so that whole bias is (q and v biases too);
-#: compared in the checkpoint's layout (``fused.to_hf``), the k bias alone.
-ZERO_GRADIENT = ("self_attn.qkv_proj.bias", "self_attn.k_proj.bias")
+#: turns into steps of up to lr; its value never changes an output. Left out of update comparisons, which run
+#: in the checkpoint's layout (``checkpoint_layout``), where the k bias is a tensor of its own: in the actor's
+#: it is rows of the fused ``qkv_proj.bias`` (``fused.py``) beside the q and v biases, which do learn.
+ZERO_GRADIENT = ("self_attn.k_proj.bias",)
+
+#: Name parts of the actor's fused tensors (``fused.py``), which a comparison refuses: ``checkpoint_layout``.
+FUSED = ("qkv_proj.", "gate_up_proj.")
+
+
+def checkpoint_layout(params: Mapping, model) -> dict[str, np.ndarray]:
+    """The actor's params (``model``: their ``ModelConfig``) as the checkpoint's tensors, host numpy: q, k, v and
+    gate, up apart (``fused.to_hf``), so that ``ZERO_GRADIENT`` names the k bias alone."""
+    from rollplex_jax.models.qwen2_5_vl.fused import to_hf
+
+    return to_hf({k: np.asarray(v) for k, v in params.items()}, model)
+
+
+def require_checkpoint_layout(params: Mapping) -> None:
+    """Raises if ``params`` holds an actor's fused tensor (``FUSED``) instead of the checkpoint's tensors."""
+    fused = sorted(k for k in params if any(part in k for part in FUSED))
+    if fused:
+        raise ValueError(f"params are compared in the checkpoint's layout but hold the actor's fused {fused[0]} "
+                         f"(+{len(fused) - 1} more): convert both with launch.equivalence.checkpoint_layout")
 
 
 def update_distance(got: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray], *, lr: float, updates: int,
                     exclude: tuple[str, ...] = ZERO_GRADIENT) -> dict[str, float]:
     """Per-element |got - ref| / (lr x updates), fp32 rounding of the values (4 ulp) forgiven: per tensor the
     maximum, and over all elements the maximum (``max``), the 99.9th percentile (``p999``) and the tensor
-    holding the maximum (``worst``)."""
+    holding the maximum (``worst``). Both in the checkpoint's layout (``checkpoint_layout``): a fused actor
+    tensor raises, since excluding the k bias would then exclude the q and v biases with it."""
+    require_checkpoint_layout(ref)
     scale = lr * max(updates, 1)
     per_tensor, flat = {}, []
     for name, b in ref.items():

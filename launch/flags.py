@@ -215,9 +215,13 @@ _HELP = {
                       "images are decoded when a batch needs them. 0 = decode every time.",
     "engine": "Rollout engine: hf (transformers, everywhere) or vllm (where installed).",
     "group_size": "G: answers sampled per prompt.",
-    "temperature": "Sampling temperature of training rollouts.",
-    "top_p": "Nucleus sampling threshold (1 = off).",
-    "top_k": "Top-k sampling (0 = off).",
+    "temperature": "Sampling temperature of training rollouts (> 0), and of the trainer: every log-prob it trains on "
+                   "(old, reference, actor: ratio, KL, entropy) is of softmax(logits / temperature), the distribution "
+                   "sampled from.",
+    "top_p": "Nucleus sampling threshold (1 = off). Sampling only: training uses the temperature-scaled full "
+             "distribution, untruncated.",
+    "top_k": "Top-k sampling (0 = off). Sampling only: training uses the temperature-scaled full distribution, "
+             "untruncated.",
     "max_new_tokens": "Longest answer in tokens.",
     "max_batch": "Most sequences the rollout engine generates at once.",
     "torch_threads": "CPU threads of the torch rollout in every phase. 0 (default): on a CPU decode half the cores, "

@@ -70,11 +70,11 @@ def jax_passes(cfg, params, prompts, rollouts):
     import jax
     import jax.numpy as jnp
 
-    from rollplex_jax.programs.actor import make_programs
+    from rollplex_jax.programs.actor import Answers, make_programs
     from rollplex_jax.programs.sequences import micro_batches
     from rollplex_jax.rl import losses
 
-    programs = make_programs(cfg.model, cfg.rl, cfg.optim, 1, prog=cfg.programs)
+    programs = make_programs(cfg.model, cfg.rl, cfg.optim, 1, prog=cfg.programs, temperature=cfg.rollout.temperature)
     mbs = micro_batches(cfg.model, prompts, rollouts, cfg.rl.micro_batch, pack=cfg.programs.packing)
     mask = jnp.asarray(rollouts.mask.reshape(-1, rollouts.mask.shape[-1]))
     weights = losses.token_weights(mask, cfg.rl.loss_agg)
@@ -89,7 +89,8 @@ def jax_passes(cfg, params, prompts, rollouts):
 
     def grad_args(mb):
         r = mb.rows
-        return (params, mb.inputs, mb.prompt_len, mb.response_ids, weights[r], adv[r], None, ref[r])
+        return (params, mb.inputs, mb.prompt_len, Answers(ids=mb.response_ids, weights=weights[r], advantages=adv[r],
+                                                          ref=ref[r]))
 
     def actor():
         acc = None

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
-# (scores [rows, V] fp32 raw logits, live row indices [rows]) -> (tokens [rows], their log-probs [rows])
+# (scores [rows, V] fp32 raw logits, live row indices [rows]) -> (tokens [rows], their log-probs [rows]: of the
+# distribution the trainer trains on, softmax(scores / T): ``hf_engine.sample_step``)
 StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 

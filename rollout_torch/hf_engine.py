@@ -10,7 +10,8 @@ every bind). Generation drives transformers' model itself (``hf_decode``): each 
 prefilled once (vision tower, prompt KV, M-RoPE positions as ``generate`` builds them, also for videos with their
 ``second_per_grid_ts``), its KV repeated to its answers, which decode together, finished ones leaving the batch;
 each answer is sampled from its own seeded generator (``SeededSampler``), whatever rows share its batch, and
-the chosen tokens' log-probs are kept step by step: one step's [rows, vocab] at a time.
+the chosen tokens' log-probs (of ``softmax(logits / T)``, untruncated: ``sample_step``) are kept step by step:
+one step's [rows, vocab] at a time.
 """
 
 from __future__ import annotations
@@ -192,12 +193,15 @@ class HFEngine:
 
 def sample_step(sampling: SamplingParams, seeds: np.ndarray, device: torch.device) -> hf_decode.StepFn:
     """One decode step's choice for the live rows: argmax of the raw scores (greedy) or of the warped scores
-    plus each answer's own Gumbel noise (``SeededSampler``), and the chosen tokens' log-probs under the raw
-    (unmodified) policy, in fp32: one step's [rows, V] at a time."""
+    plus each answer's own Gumbel noise (``SeededSampler``), and the chosen tokens' log-probs, in fp32, one
+    step's [rows, V] at a time, under ``softmax(scores / T)`` over the whole vocabulary: the distribution the
+    trainer trains on (``programs.actor.Spec``); top-k / top-p truncation, which only narrows what is sampled,
+    is not applied to them. Greedy (T = 0): under the raw scores (T = 1)."""
+    t = sampling.temperature or 1.0
     sampler = None if sampling.temperature == 0 else SeededSampler(sampling, seeds, device)
 
     def step(scores: torch.Tensor, live: torch.Tensor):
-        logp = torch.log_softmax(scores, dim=-1)
+        logp = torch.log_softmax(scores / t, dim=-1)
         tok = (scores if sampler is None else sampler.noisy(scores, live)).argmax(-1)
         return tok, logp.gather(-1, tok[:, None])[:, 0]
 

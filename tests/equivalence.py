@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from launch.equivalence import ZERO_GRADIENT, update_distance
+from launch.equivalence import ZERO_GRADIENT, require_checkpoint_layout, update_distance
 
 
 def assert_same_updates(got: dict, ref: dict, *, lr: float, updates: int, rel: float = 0.02,
                         exclude: tuple[str, ...] = ZERO_GRADIENT) -> float:
-    """Asserts ``got`` and ``ref`` (final params of two runs from the same start) differ by at most ``rel``
-    of the update scale per element (module docstring); returns the worst fraction of the tolerance."""
+    """Asserts ``got`` and ``ref`` (final params of two runs from the same start, in the checkpoint's layout:
+    ``launch.equivalence.checkpoint_layout``) differ by at most ``rel`` of the update scale per element (module
+    docstring); returns the worst fraction of the tolerance."""
     assert set(got) == set(ref)
     d = update_distance(got, ref, lr=lr, updates=updates, exclude=exclude)
     assert d["max"] <= rel, (f"{d['worst']}: differs by {d['max']:.3g} of the update scale lr {lr} x {updates} "
@@ -40,7 +41,10 @@ def assert_same_updates(got: dict, ref: dict, *, lr: float, updates: int, rel: f
 def assert_same_gradients(got: dict, ref: dict, *, rtol: float = 1e-5,
                           exclude: tuple[str, ...] = ZERO_GRADIENT) -> float:
     """Gradients before any optimizer: per tensor, |got - ref| <= rtol x max|ref| (reduction-order noise is
-    ~1e-7 x sqrt(terms) of the largest entry in fp32); returns the worst relative difference."""
+    ~1e-7 x sqrt(terms) of the largest entry in fp32); returns the worst relative difference. In the checkpoint's
+    layout (``launch.equivalence.checkpoint_layout``), as ``assert_same_updates``."""
+    require_checkpoint_layout(ref)
+    assert set(got) == set(ref)
     worst = 0.0
     for name, b in ref.items():
         if name.endswith(exclude):

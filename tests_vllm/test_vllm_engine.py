@@ -11,7 +11,6 @@ one with AMX does, and the reverse.
 import hashlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -110,8 +109,27 @@ def long_prompts(block_size: int) -> Prompts:
                          [1, *rng.integers(3, 240, 7).tolist()]])
 
 
-def jax_logprobs(cfg, params, prompts: Prompts, rollouts) -> np.ndarray:
-    """Our JAX model's log-probs [B, G, T] of the sampled tokens (full forward over prompt ++ response)."""
+def warped(logits: np.ndarray, sampling: SamplingParams) -> np.ndarray:
+    """The logits vLLM samples from (``processed_logprobs`` is their log-softmax): divided by the temperature, then
+    top-k and top-p masked as vLLM 0.32's ``apply_top_k_top_p_pytorch`` (the at least one kept)."""
+    x = logits / sampling.temperature
+    if sampling.top_k:
+        kth = np.sort(x, axis=-1)[..., -sampling.top_k][..., None]
+        x = np.where(x < kth, -np.inf, x)
+    if sampling.top_p < 1.0:
+        order = np.argsort(x, axis=-1, kind="stable")
+        srt = np.take_along_axis(x, order, -1)
+        p = np.exp(srt - srt.max(-1, keepdims=True))
+        cum = np.cumsum(p / p.sum(-1, keepdims=True), axis=-1)
+        drop = cum <= 1 - sampling.top_p
+        drop[..., -1] = False
+        np.put_along_axis(x, order, np.where(drop, -np.inf, srt), -1)
+    return x
+
+
+def jax_logprobs(cfg, params, prompts: Prompts, rollouts, sampling: SamplingParams | None = None) -> np.ndarray:
+    """Our JAX model's log-probs [B, G, T] of the sampled tokens (full forward over prompt ++ response): of the raw
+    logits, or of the distribution ``sampling`` samples from (``warped``)."""
     b, g, t = rollouts.response_ids.shape
     rows, starts = [], []
     for i in range(b):
@@ -126,8 +144,11 @@ def jax_logprobs(cfg, params, prompts: Prompts, rollouts) -> np.ndarray:
     for r, row in enumerate(rows):
         ids[r, :len(row)], mask[r, :len(row)] = row, 1
         region[r, :starts[r]] = 1
-    logits = full_forward(params, cfg, prepare_inputs(cfg, ids, mask, vision_region=region))
-    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    logits = np.asarray(full_forward(params, cfg, prepare_inputs(cfg, ids, mask, vision_region=region)), np.float64)
+    if sampling is not None:
+        logits = warped(logits, sampling)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))
     out = np.zeros((b, g, t), np.float32)
     for r, (row, start) in enumerate(zip(rows, starts, strict=True)):
         pos = np.arange(start, len(row))
@@ -240,16 +261,28 @@ def test_sampling_shapes_seed_and_stop(engine, cfg, params):
 
 
 def test_logprobs_match_jax_model(engine, cfg, params, note):
-    """Raw log-probs (temperature 1 policy) even when sampling at another temperature and top-k."""
+    """The log-probs of the distribution sampled from (``processed_logprobs``): log_softmax(logits / T), the
+    trainer's, without top-k / top-p; with them, of the truncated distribution, above the trainer's (module
+    docstring of ``vllm_engine``)."""
     bind(engine, cfg, params)
     prompts = long_prompts(engine.llm.llm_engine.vllm_config.cache_config.block_size)
     for sp in (SamplingParams(temperature=1.0, max_new_tokens=12, seed=1),
+               SamplingParams(temperature=0.7, max_new_tokens=12, seed=3),
                SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12, seed=2)):
         r = engine.generate(prompts, n=3, sampling=sp)
-        ref = jax_logprobs(cfg, params, prompts, r)
+        ref = jax_logprobs(cfg, params, prompts, r, sp)
         score = mean_exp_abs_delta(r.logprobs, ref, r.mask)
-        note(f"mean exp|engine - jax| logprob, fp32, sampled at T={sp.temperature}: {score:.8f}")
+        trainer = jax_logprobs(cfg, params, prompts, r, SamplingParams(temperature=sp.temperature))
+        gap = float(np.abs(r.logprobs - trainer)[r.mask > 0].mean())
+        note(f"mean exp|engine - jax| logprob, fp32, sampled at T={sp.temperature} top_k={sp.top_k} "
+             f"top_p={sp.top_p}: {score:.8f}; mean |engine - trainer's full distribution| {gap:.3g}")
         assert score <= 1.0001
+        if sp.temperature != 1.0:  # the raw (T = 1) log-probs are not what was sampled from
+            assert mean_exp_abs_delta(r.logprobs, jax_logprobs(cfg, params, prompts, r), r.mask) > 1.01
+        if sp.top_k or sp.top_p < 1.0:  # truncation renormalises: the engine's are >= the trainer's
+            assert (r.logprobs - trainer)[r.mask > 0].min() >= -1e-4 and gap > 1e-3
+        else:
+            assert gap <= 1e-4
 
 
 def test_training_steps_rebind(engine, cfg, params):

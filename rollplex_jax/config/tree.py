@@ -128,7 +128,15 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """The torch rollout engine and how it samples G answers per prompt."""
+    """The torch rollout engine and how it samples G answers per prompt.
+
+    ``temperature`` is also the trainer's: every log-prob it trains on (old, reference, actor; the ratio, the KL and
+    the entropy) is of ``softmax(logits / temperature)``, the distribution the rollout sampled from
+    (``programs.actor.Spec``), as in TRL and verl. ``top_k`` / ``top_p`` only narrow what is sampled: training uses
+    the temperature-scaled full distribution, untruncated (the usual choice, TRL's and verl's). Training needs
+    ``temperature > 0``: at 0 (greedy) the policy is an argmax, with no log-probs to train; greedy decoding is for
+    validation only (``--val_temperature=0``).
+    """
 
     engine: str = "hf"
     group_size: int = 8
@@ -148,7 +156,8 @@ class RolloutConfig:
         _require(self.group_size >= 2, "rollout.group_size", self.group_size,
                  "must be >= 2 (group-relative advantages need at least 2 answers per prompt)")
         _require(self.temperature > 0, "rollout.temperature", self.temperature,
-                 "must be > 0 for training rollouts (greedy decoding is used for evaluation only)")
+                 "must be > 0 for training rollouts: the trainer trains on softmax(logits / temperature), "
+                 "undefined at 0 (greedy decoding is for validation only: --val_temperature=0)")
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
         _require(self.top_k >= 0, "rollout.top_k", self.top_k, "must be >= 0 (0 = off)")
         _require(self.max_new_tokens > 0, "rollout.max_new_tokens", self.max_new_tokens, "must be > 0")

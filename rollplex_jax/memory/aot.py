@@ -282,7 +282,8 @@ def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int 
     A = Abstract(cfg)
     offload = policy == "offload"
     progs = make_programs(cfg.model, cfg.rl, cfg.optim, max(cfg.run.steps, 1), offload_optimizer=offload,
-                          optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1, prog=cfg.programs)
+                          optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1, prog=cfg.programs,
+                          temperature=cfg.rollout.temperature)
     with jax.set_mesh(A.mesh) if A.mesh is not None else contextlib.nullcontext():
         opt = optimizer_state(progs.optimizer, A.params, A)
         base = {"compute_weights": device_bytes(A.params),
@@ -300,6 +301,16 @@ def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int 
     return ph.result()
 
 
+def _answers(cfg: Config, A: Abstract, ids, f32, adv):
+    """A gradient program's ``actor.Answers`` as one step passes them: old log-probs with several mini-batches,
+    reference log-probs when the reference is used, the engine's (the mismatch metric) with one mini-batch."""
+    from rollplex_jax.programs.actor import Answers
+
+    one = cfg.rl.mini_batches == 1
+    return Answers(ids=ids, weights=f32, advantages=adv, old=None if one else f32,
+                   ref=f32 if cfg.rl.uses_reference else None, engine=f32 if one else None)
+
+
 def _serial(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int, base: dict, resident: dict) -> None:
     """The serial schedule: full (prompt ++ answer) rows, one micro-batch per program call."""
     Tp, Tv, Tr = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens
@@ -314,9 +325,7 @@ def _serial(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int, 
         pb, _ = ph.compile(progs.ref_logprobs, A.params, inputs, Tp, ids, A.array((mb, Tr), jnp.int32))
         ph.add("score", "ref_logprobs", pb, {"ref_weights"}, partial=device_bytes(inputs))
     ph.live["score"] = dict(base, **resident, other=other)
-    old = f32 if cfg.rl.mini_batches > 1 else None
-    ref = f32 if cfg.rl.uses_reference else None
-    pb, _ = ph.compile(progs.grad, A.params, inputs, Tp, ids, f32, A.array((mb,), jnp.float32), old, ref)
+    pb, _ = ph.compile(progs.grad, A.params, inputs, Tp, _answers(cfg, A, ids, f32, A.array((mb,), jnp.float32)))
     ph.add("train", "grad", pb, {"compute_weights"}, partial=device_bytes(inputs))
     ph.live["train"] = dict(base, **resident, other=other, gradients=device_bytes(A.params))
 
@@ -325,9 +334,9 @@ def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int
               resident: dict) -> None:
     """The Rollplex schedule: prefix programs during the rollout, suffix micro-batches, one prefix vjp."""
     from rollplex_jax.programs.sequences import answer_blocks
-    from rollplex_jax.programs.split import make_split_programs
+    from rollplex_jax.programs.split import BoundaryRows, make_split_programs
 
-    sp = make_split_programs(cfg.model, cfg.rl, cfg.programs)
+    sp = make_split_programs(cfg.model, cfg.rl, cfg.programs, temperature=cfg.rollout.temperature)
     Tp, Tv, Tr = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens
     B, G = cfg.rl.batch_prompts, cfg.rollout.group_size
     n = G if cfg.run.prefix_sharing else 1
@@ -365,7 +374,7 @@ def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int
     mask, pos = A.array((P, Tp), bool), A.array((P,), jnp.int32)
     ids, rmask = A.array((size, na, Tr), jnp.int32), A.array((size, na, Tr), bool)
     if ref_b is not None:
-        pb, _ = ph.compile(sp.suffix_logp, size, A.params, *ref_b, mask, pos, 0, ids, rmask)
+        pb, _ = ph.compile(sp.suffix_logp, size, A.params, BoundaryRows(*ref_b, mask, pos), 0, ids, rmask)
         ph.add("score", "suffix_logp", pb, {"ref_weights", "boundary_kv"})
     ph.live["score"] = dict(live)
     live["boundary_kv"] = device_bytes(boundary)  # the reference's ends with scoring
@@ -375,16 +384,16 @@ def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int
 def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, b0, kept, inputs0, emb0, dims) -> None:
     """The train phase's programs: a micro-batch's suffix gradients and the prefix vjp (residual path), or a
     micro-batch's recomputed-prefix gradient."""
+    from rollplex_jax.programs.split import BoundaryRows
+
     size, na, Tr, P0, Tp, Tv, frames = dims
     ids, f32 = A.array((size, na, Tr), jnp.int32), A.array((size, na, Tr), jnp.float32)
-    adv = A.array((size, na), jnp.float32)
-    old = f32 if cfg.rl.mini_batches > 1 else None
-    ref = f32 if cfg.rl.uses_reference else None
+    answers = _answers(cfg, A, ids, f32, A.array((size, na), jnp.float32))
     grads = device_bytes(A.params)
     live = dict(live, gradients=grads)
     if cfg.run.actor_prefix == "residuals":
         mask, pos = A.array((P0, Tp), bool), A.array((P0,), jnp.int32)
-        pb, (_, cts, _) = ph.compile(sp.suffix_grads, size, A.params, *b0, mask, pos, 0, ids, f32, adv, old, ref)
+        pb, (_, cts, _) = ph.compile(sp.suffix_grads, size, A.params, BoundaryRows(*b0, mask, pos), 0, answers)
         ph.add("train", "suffix_grads", pb, {"compute_weights", "boundary_kv"})
         ct = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) for x in b0)
         live["cotangents"] = device_bytes(ct)
@@ -394,7 +403,7 @@ def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, b0, k
     if cfg.run.actor_prefix != "residuals" or cfg.rl.mini_batches > 1:
         inputs = A.inputs(size, Tp, Tv, 0, frames)  # a micro-batch's prefix rows
         emb = None if emb0 is None else A.array((emb0.shape[0] // P0 * size, emb0.shape[1]), emb0.dtype)
-        pb, _ = ph.compile(sp.grads_recompute, A.params, inputs, emb, ids, f32, adv, old, ref)
+        pb, _ = ph.compile(sp.grads_recompute, A.params, inputs, emb, answers)
         ph.add("train", "grads_recompute", pb, {"compute_weights"})
     ph.live["train"] = live
 

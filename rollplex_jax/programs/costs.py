@@ -92,7 +92,7 @@ def jaxpr_matmul_flops(jaxpr) -> float:
 def program_costs(jitted, *args, **kwargs) -> ProgramCost:
     """``jitted`` (a ``jax.jit`` function) compiled for ``args``: XLA's counts and the traced matmul FLOPs.
 
-    Example: ``program_costs(programs.grad, params, mb.inputs, mb.prompt_len, ids, w, adv, None, ref).flops``.
+    Example: ``program_costs(programs.grad, params, mb.inputs, mb.prompt_len, answers).flops``.
     """
     traced = jitted.trace(*args, **kwargs)
     compiled = traced.lower().compile()
@@ -135,9 +135,11 @@ def serial_phase_costs(ctx: PhasePrograms, params, ref_params, mbs, weights, adv
       weights: token weights [B*G, Tr] of all rows (one mini-batch); advantages [B*G]; old_logp, ref_logp:
         [B*G, Tr] or None, sliced per micro-batch as ``SerialOps.grads`` does.
     """
-    from rollplex_jax.programs.actor import make_programs  # here: actor imports nothing of this module
+    from rollplex_jax.programs.actor import Answers, make_programs  # here: actor imports nothing of this module
 
-    dense = make_programs(ctx.model, ctx.rl, ctx.optim, 1, prog=dataclasses.replace(ctx.prog, attention="dense"))
+    # temperature 1: dividing the logits by another one adds one elementwise op over [rows, Tr, V], no matmul
+    dense = make_programs(ctx.model, ctx.rl, ctx.optim, 1, prog=dataclasses.replace(ctx.prog, attention="dense"),
+                          temperature=1.0)
     out = {"reference": ZERO, "actor": ZERO}
     for mb in mbs:
         r = mb.rows
@@ -145,6 +147,7 @@ def serial_phase_costs(ctx: PhasePrograms, params, ref_params, mbs, weights, adv
                                           mb.response_ids, mb.response_mask)
         old = None if old_logp is None else old_logp[r]
         ref = None if ref_logp is None else ref_logp[r]
-        out["actor"] += program_costs(dense.grad, params, mb.inputs, mb.prompt_len, mb.response_ids,
-                                      jnp.asarray(weights)[r], advantages[r], old, ref)
+        answers = Answers(ids=mb.response_ids, weights=jnp.asarray(weights)[r], advantages=advantages[r], old=old,
+                          ref=ref)
+        out["actor"] += program_costs(dense.grad, params, mb.inputs, mb.prompt_len, answers)
     return out

@@ -7,14 +7,16 @@ boundary KV and is recomputed inside the update (``--actor_prefix=recompute``). 
 gradient is the full gradient: suffix gradients plus ``prefix_vjp(d boundary KV)``, which reaches the
 decoder's prompt positions, the merger and the vision tower.
 
-Every suffix program runs one micro-batch: answers ``[size, n, Tr]`` of prefix rows ``[p0, p0 + size)``
-of a boundary state; the boundary's rows are taken inside the program (no host copy), so a micro-batch
-costs its own rows: by ``dynamic_slice``, or on a mesh whose ``fsdp`` axis splits the rows by a one-hot
-contraction (``_take_rows``: XLA partitions a dynamic slice of a split axis at a traced offset by
-gathering the whole array on every device, measured at Qwen2.5-VL-32B on fsdp 4 x tp 8: the scoring
-program held all 32 prompts' boundary KV, 6 GiB per device; the contraction reads each device's own rows
-and sums the micro-batch's over fsdp, exactly: one product by 1 and zeros). Cotangents of the boundary
-are accumulated over the micro-batches of a mini-batch and the prefix's vjp runs once, at the end.
+Every log-prob is of ``softmax(logits / T)`` at the rollout's temperature (``actor.Spec``), the prefix's last
+logits (which predict each answer's first token) included. Every suffix program runs one micro-batch: answers
+``[size, n, Tr]`` (``actor.Answers``) of prefix rows ``[p0, p0 + size)`` of a boundary (``BoundaryRows``); the
+boundary's rows are taken inside the program (no host copy), so a micro-batch costs its own rows: by
+``dynamic_slice``, or on a mesh whose ``fsdp`` axis splits the rows by a one-hot contraction (``_take_rows``:
+XLA partitions a dynamic slice of a split axis at a traced offset by gathering the whole array on every
+device, measured at Qwen2.5-VL-32B on fsdp 4 x tp 8: the scoring program held all 32 prompts' boundary KV,
+6 GiB per device; the contraction reads each device's own rows and sums the micro-batch's over fsdp, exactly:
+one product by 1 and zeros). Cotangents of the boundary are accumulated over the micro-batches of a mini-batch
+and the prefix's vjp runs once, at the end.
 
 No weights in the saved state: ``jax.vjp`` keeps every linear weight among its residuals (the
 backward of ``x @ W`` reads ``W``) and a jit output never aliases a non-donated input, so returning the
@@ -48,12 +50,30 @@ from rollplex_jax.models.qwen2_5_vl.model import (
     ModelInputs,
     PrefixState,
     encode_vision,
+    gather_logprobs,
+    predicting_logits,
     prefix_forward,
     suffix_forward,
-    suffix_logprobs,
 )
 from rollplex_jax.parallel.mesh import constrain_like_params
-from rollplex_jax.programs.actor import objective
+from rollplex_jax.programs.actor import Answers, Spec, objective
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BoundaryRows:
+    """A prefix program's outputs for prefix rows, as the suffix programs take them: k, v [L, B, Tp, K, d] (every
+    layer's boundary KV), last [B, V] (raw logits at each row's last prompt token), mask [B, Tp] (the rows' key
+    mask), next_pos [B] (the text position where the answers start)."""
+
+    k: jax.Array
+    v: jax.Array
+    last: jax.Array
+    mask: jax.Array
+    next_pos: jax.Array
+
+    def state(self) -> PrefixState:
+        return PrefixState(self.k, self.v, self.mask, self.next_pos)
 
 
 def _prefix(cfg: ModelConfig, prog: ProgramConfig, params, inputs: ModelInputs, vision_embeds):
@@ -135,40 +155,40 @@ def _add_rows(a, x, p0):
                           precision=jax.lax.Precision.HIGHEST)
 
 
-def _rows(size: int, p0, *arrays):
-    """Rows [p0, p0 + size) along axis 0 (``last``, masks) or 1 (k, v: [L, B, ...]) of each array."""
-    return [_take_rows(a, p0, size) if a.ndim == 5 else jax.lax.dynamic_slice_in_dim(a, p0, size, axis=0)
-            for a in arrays]
+def _rows(size: int, p0, rows: BoundaryRows) -> BoundaryRows:
+    """Rows [p0, p0 + size) of a boundary: along axis 1 of k, v ([L, B, ...]), axis 0 of the others."""
+    return jax.tree.map(lambda a: _take_rows(a, p0, size) if a.ndim == 5
+                        else jax.lax.dynamic_slice_in_dim(a, p0, size, axis=0), rows)
 
 
-def _logp(cfg, prog, params, k, v, last, mask, next_pos, response_ids, response_mask):
-    """(answer log-probs, suffix logits) of [b, n, Tr] answers over their prefix rows' boundary state."""
-    logits = suffix_forward(params, cfg, PrefixState(k, v, mask, next_pos), response_ids, response_mask, prog=prog)
-    return suffix_logprobs(last, logits, response_ids, response_mask), logits
+def _logp(spec: Spec, params, rows: BoundaryRows, response_ids, response_mask):
+    """(answer log-probs, the temperature-scaled logits that predicted them) of [b, n, Tr] answers over their
+    prefix rows' boundary."""
+    logits = suffix_forward(params, spec.model, rows.state(), response_ids, response_mask, prog=spec.prog)
+    pred = predicting_logits(rows.last, logits) / spec.temperature
+    return gather_logprobs(pred, response_ids, response_mask), pred
 
 
-def _suffix_logp(cfg, prog, size, params, k, v, last, mask, next_pos, p0, response_ids, response_mask):
-    k, v, last, mask, next_pos = _rows(size, p0, k, v, last, mask, next_pos)
-    return _logp(cfg, prog, params, k, v, last, mask, next_pos, response_ids, response_mask)[0]
+def _suffix_logp(spec: Spec, size: int, params, rows: BoundaryRows, p0, response_ids, response_mask):
+    return _logp(spec, params, _rows(size, p0, rows), response_ids, response_mask)[0]
 
 
-def _suffix_loss(cfg: ModelConfig, prog: ProgramConfig, rl: RlConfig, params, k, v, last, mask, next_pos,
-                 response_ids, weights, advantages, old_logp, ref_logp):
-    """The serial objective (``actor.objective``) on [b, n, Tr] answers over their prefix rows' state."""
-    logp, logits = _logp(cfg, prog, params, k, v, last, mask, next_pos, response_ids, weights > 0)
-    b, n, t, vsz = logits.shape
-    pred = jnp.concatenate([jnp.broadcast_to(last[:, None, None], (b, n, 1, vsz)), logits[:, :, :-1]], axis=2)
-    return objective(rl, logp, pred, weights, advantages, old_logp, ref_logp)
+def _suffix_loss(spec: Spec, params, rows: BoundaryRows, answers: Answers):
+    """The serial objective (``actor.objective``) on [b, n, Tr] answers over their prefix rows' boundary."""
+    logp, pred = _logp(spec, params, rows, answers.ids, answers.weights > 0)
+    return objective(spec.rl, logp, pred, answers)
 
 
-def _suffix_grads(cfg, prog, rl, size, params, k, v, last, mask, next_pos, p0, response_ids, weights, advantages,
-                  old_logp, ref_logp):
-    """A micro-batch's suffix gradients w.r.t. params and its rows' boundary state (k, v, last)."""
-    k, v, last, mask, next_pos = _rows(size, p0, k, v, last, mask, next_pos)
-    loss_fn = functools.partial(_suffix_loss, cfg, prog, rl)
+def _suffix_grads(spec: Spec, size: int, params, rows: BoundaryRows, p0, answers: Answers):
+    """A micro-batch's suffix gradients w.r.t. params and its rows' boundary (k, v, last)."""
+    rows = _rows(size, p0, rows)
+
+    def loss_fn(p, k, v, last):
+        return _suffix_loss(spec, p, dataclasses.replace(rows, k=k, v=v, last=last), answers)
+
     (_, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1, 2, 3), has_aux=True)(
-        params, k, v, last, mask, next_pos, response_ids, weights, advantages, old_logp, ref_logp)
-    return constrain_like_params(grads[0], cfg), grads[1:], metrics
+        params, rows.k, rows.v, rows.last)
+    return constrain_like_params(grads[0], spec.model), grads[1:], metrics
 
 
 def _add_cotangent(acc, g, p0):
@@ -181,42 +201,44 @@ def _add_cotangent(acc, g, p0):
     return tuple(add(a, x) for a, x in zip(acc, g, strict=True))
 
 
-def _grads_recompute(cfg, prog, rl, params, inputs, vision_embeds, response_ids, weights, advantages, old_logp,
-                     ref_logp):
+def _grads_recompute(spec: Spec, params, inputs, vision_embeds, answers: Answers):
     """A micro-batch's gradient with its prefix forward recomputed inside (``inputs``: its prompt rows)."""
     def loss_fn(p):
-        k, v, last = _prefix(cfg, prog, p, inputs, vision_embeds)
-        return _suffix_loss(cfg, prog, rl, p, k, v, last, inputs.attention_mask.astype(bool), inputs.next_position,
-                            response_ids, weights, advantages, old_logp, ref_logp)
+        k, v, last = _prefix(spec.model, spec.prog, p, inputs, vision_embeds)
+        rows = BoundaryRows(k, v, last, inputs.attention_mask.astype(bool), inputs.next_position)
+        return _suffix_loss(spec, p, rows, answers)
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return constrain_like_params(grads, cfg), metrics
+    return constrain_like_params(grads, spec.model), metrics
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitPrograms:
     vision: Callable
-    prefix: Callable  # (k, v, last)
+    prefix: Callable  # (params, inputs, emb) -> (k, v, last)
     actor_prefix: ResidualPrefix  # (k, v, last, kept residuals)
-    suffix_logp: Callable  # (size, params, k, v, last, mask, next_pos, p0, ids, mask) -> [size, n, Tr]
-    suffix_grads: Callable  # (size, params, k, v, last, mask, next_pos, p0, ids, w, adv, old, ref)
+    suffix_logp: Callable  # (size, params, rows: BoundaryRows, p0, ids, mask) -> [size, n, Tr]
+    suffix_grads: Callable  # (size, params, rows: BoundaryRows, p0, answers: Answers) -> (grads, (gk, gv, glast), m)
     add_cotangent: Callable
     prefix_vjp: Callable  # (meta, params, kept, gk, gv, glast)
-    grads_recompute: Callable
+    grads_recompute: Callable  # (params, inputs, emb, answers: Answers) -> (grads, metrics)
 
 
-def make_split_programs(cfg: ModelConfig, rl: RlConfig, prog: ProgramConfig = ProgramConfig()) -> SplitPrograms:
-    """Builds (jits) the Rollplex programs once (``prog``: attention kernel and remat). ``size`` (prefix rows
-    of a micro-batch) and ``meta`` are static: one compilation per micro-batch size, the boundary sliced
+def make_split_programs(cfg: ModelConfig, rl: RlConfig, prog: ProgramConfig = ProgramConfig(), *,
+                        temperature: float) -> SplitPrograms:
+    """Builds (jits) the Rollplex programs once (``prog``: attention kernel and remat; ``temperature``: the
+    rollout's training temperature, ``actor.Spec``: every log-prob is of softmax(logits / T)). ``size`` (prefix
+    rows of a micro-batch) and ``meta`` are static: one compilation per micro-batch size, the boundary sliced
     inside."""
+    spec = Spec(model=cfg, prog=prog, rl=rl, temperature=temperature)
     jit = functools.partial(jax.jit, compiler_options=compiler_options(prog.remat))
     return SplitPrograms(
         vision=jit(lambda params, inputs: encode_vision(params, cfg, inputs, prog=prog)),
         prefix=jit(functools.partial(_prefix, cfg, prog)),
         actor_prefix=ResidualPrefix(cfg, prog),
-        suffix_logp=jit(lambda size, *a: _suffix_logp(cfg, prog, size, *a), static_argnums=0),
-        suffix_grads=jit(functools.partial(_suffix_grads, cfg, prog, rl), static_argnums=0),
+        suffix_logp=jit(functools.partial(_suffix_logp, spec), static_argnums=0),
+        suffix_grads=jit(functools.partial(_suffix_grads, spec), static_argnums=0),
         add_cotangent=jax.jit(_add_cotangent, donate_argnums=0),
         prefix_vjp=jit(functools.partial(_prefix_vjp, cfg), static_argnums=0),
-        grads_recompute=jit(functools.partial(_grads_recompute, cfg, prog, rl)),
+        grads_recompute=jit(functools.partial(_grads_recompute, spec)),
     )

@@ -103,7 +103,7 @@ class Runner:
         offload = self.optimizer_policy == "offload"
         self.programs = make_programs(cfg.model, cfg.rl, cfg.optim, cfg.run.steps, offload_optimizer=offload,
                                       optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1,
-                                      prog=cfg.programs)
+                                      prog=cfg.programs, temperature=cfg.rollout.temperature)
         with self.mesh_scope():
             opt_state = self.programs.optimizer.init(placed.params)
         self.state = rl_step.TrainState(placed.params, opt_state, placed.ref_params)
@@ -123,7 +123,7 @@ class Runner:
             raise ConfigError(f"--reward={cfg.rl.reward!r} (--reward_kwargs={cfg.rl.reward_kwargs!r}): {e}") from None
         split = None
         if cfg.run.schedule == "rollplex":
-            split = make_split_programs(cfg.model, cfg.rl, cfg.programs)
+            split = make_split_programs(cfg.model, cfg.rl, cfg.programs, temperature=cfg.rollout.temperature)
         if cfg.memory.measure_memory:
             self.programs, split = run_setup.tracked(self.meter, self.programs, split)
         gather = multihost.ReplicatedCopy(self.mesh) if self.procs.many else None

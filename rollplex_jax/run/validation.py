@@ -98,8 +98,8 @@ def validate(ctx: rl_step.StepContext, params, val: ValPrompts, *, step: int, te
         chunk = list(local[i:i + bs])
         prompts = data_lib.collate(chunk, pad_id)
         with scope():
-            ro = rl_step.sample(ctx, params, prompts, n=1, seed=seed, greedy=temperature == 0,
-                                  temperature=temperature or None, first_prompt=mine.start + i)
+            ro = rl_step.sample(ctx, params, prompts, rl_step.Draw(n=1, seed=seed, temperature=temperature,
+                                                                   first_prompt=mine.start + i))
         responses = [row[0] for row in rl_step.response_texts(ro, ctx.decode, ctx.stop_ids)]
         n_tokens = np.asarray(ro.lengths)[:, 0]
         scores.append(reward(responses, [e.answer for e in chunk], [getattr(e, "extra", {}) for e in chunk],

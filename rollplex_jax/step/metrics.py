@@ -13,7 +13,14 @@ duplicate (``reward/mean`` = ``reward/overall``; ``time/<phase>_s`` = ``timing_s
   ``prompt_length/vision_mean`` (image + video pad tokens per prompt);
 - time: ``timing_s/<phase>``, ``timing_s/step``, ``perf/time_per_step`` (s), ``perf/total_num_tokens`` (real
   prompt + answer tokens of every answer: a prompt counts once per answer, as verl counts a sequence),
-  ``perf/throughput`` (those tokens per second per device: divided by ``jax.device_count()``).
+  ``perf/throughput`` (those tokens per second per training device: divided by the training mesh's fsdp x tp,
+  which spans every process's devices as the gathered batch does; devices the run does not train on, e.g. the
+  4 fake CPU devices of the test environment under a 1-device run, do not count);
+- the rollout's numerics: ``rollout/logprob_abs_diff_{mean,max}`` (as verl's ``training/rollout_probs_diff_*``):
+  |engine log-prob - trainer log-prob under theta_k| over the answer tokens, both of ``softmax(logits / T)``
+  (``programs.actor.Spec``): float noise when the engine and the trainer agree on the policy (fp32 demo model:
+  ~1e-6), larger under bf16, a wrong temperature or top-k/top-p truncation (the vLLM engine's log-probs are of
+  the truncated distribution: ``rollout_torch/vllm_engine.py``).
 """
 
 from __future__ import annotations
@@ -88,8 +95,24 @@ def total_tokens(prompts: Prompts, rollouts: Rollouts) -> int:
     return int(prompt_tokens(prompts).sum() * g + np.asarray(rollouts.lengths, np.int64).sum())
 
 
+def logprob_mismatch(engine, trainer, mask) -> dict[str, float]:
+    """``rollout/logprob_abs_diff_{mean,max}`` of the engine's and the trainer's log-probs [B*G, Tr] over the answer
+    tokens (``mask`` > 0)."""
+    d = np.abs(np.asarray(engine, np.float64) - np.asarray(trainer, np.float64))[np.asarray(mask) > 0]
+    return mismatch_metrics(float(d.sum()), float(d.max(initial=0.0)), float(d.size))
+
+
+def mismatch_metrics(total: float | None, largest: float | None, tokens: float | None) -> dict[str, float]:
+    """The mismatch metrics from its sums over the answer tokens (``programs.actor.mismatch_sums``); nothing when
+    they were not measured (``tokens`` None)."""
+    if tokens is None:
+        return {}
+    return {"rollout/logprob_abs_diff_mean": total / max(tokens, 1.0), "rollout/logprob_abs_diff_max": largest}
+
+
 def timing_metrics(phase_s: dict[str, float], step_s: float, tokens: int, devices: int) -> dict[str, float]:
-    """``time/<phase>_s`` and ``timing_s/<phase>`` (the same seconds), the step's time, ``perf/*``."""
+    """``time/<phase>_s`` and ``timing_s/<phase>`` (the same seconds), the step's time, ``perf/*`` (``devices``: the
+    run's training devices, ``MeshConfig.train_devices``)."""
     out: dict[str, float] = {}
     for name, secs in phase_s.items():
         out[f"time/{name}_s"] = secs

@@ -16,6 +16,7 @@ still hold by buffer class (``live``) for the memory meter.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import jax
@@ -24,9 +25,41 @@ import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
-from rollplex_jax.programs.actor import Programs
+from rollplex_jax.programs.actor import Answers, Programs
 from rollplex_jax.programs.sequences import micro_batches, mini_batch_rows, row_slots
 from rollplex_jax.trace import Tracer
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """What the loss weighs a mini-batch's answers by: ``weights`` [mini-batch rows, Tr] (its token weights); over
+    all B*G answer rows: ``advantages`` [B*G] and the ``old``, ``ref`` and ``engine`` log-probs [B*G, Tr], each
+    or None (``actor.Answers`` says what None means)."""
+
+    weights: jax.Array
+    advantages: jax.Array
+    old: jax.Array | None = None
+    ref: jax.Array | None = None
+    engine: jax.Array | None = None
+
+    def answers(self, ids, local, rows) -> Answers:
+        """The program's ``Answers`` of answer ``ids``: the weights at ``local`` (mini-batch-relative index), the rest
+        at ``rows`` (an index into the B*G rows, or into the [prefix rows, n] view of ``reshaped``)."""
+        return Answers(ids=ids, weights=self.weights[local], advantages=self.advantages[rows],
+                       old=_pick(self.old, rows), ref=_pick(self.ref, rows), engine=_pick(self.engine, rows))
+
+    def reshaped(self, weights_shape, rows_shape) -> Targets:
+        """The same targets with the weights in ``weights_shape`` and the all-rows arrays in ``rows_shape``
+        (+ [Tr] for the log-probs)."""
+        tr = self.weights.shape[-1]
+        return Targets(weights=self.weights.reshape(*weights_shape, tr),
+                       advantages=self.advantages.reshape(rows_shape),
+                       **{k: None if x is None else x.reshape(*rows_shape, tr)
+                          for k, x in (("old", self.old), ("ref", self.ref), ("engine", self.engine))})
+
+
+def _pick(x, idx):
+    return None if x is None else x[idx]
 
 
 class Ops(Protocol):
@@ -44,9 +77,9 @@ class Ops(Protocol):
     def logp(self, params) -> jax.Array:
         """Answer log-probs [B*G, Tr] under ``params`` (old log-probs, KL metric, KL in the reward)."""
 
-    def grads(self, params, rows: slice, weights, adv, old, ref, version: int) -> tuple[Any, list[dict]]:
-        """Gradient of the loss on answer rows ``rows`` (token ``weights`` of those rows; ``adv``/``old``/``ref``
-        of all rows) under ``params`` at params ``version``; the metric sums of each program call."""
+    def grads(self, params, rows: slice, targets: Targets, version: int) -> tuple[Any, list[dict]]:
+        """Gradient of the loss on answer rows ``rows`` (``targets``: token weights of those rows, the rest of all
+        rows) under ``params`` at params ``version``; the metric sums of each program call."""
 
     def after_ref(self) -> None:
         """The reference's last consumer is done: free what only it needed."""
@@ -96,14 +129,12 @@ class SerialOps:
         return jnp.concatenate([self.prog.old_logprobs(params, mb.inputs, mb.prompt_len, mb.response_ids,
                                                        mb.response_mask) for mb in self.mbs])
 
-    def grads(self, params, rows: slice, weights, adv, old, ref, version):
+    def grads(self, params, rows: slice, targets: Targets, version):
         acc, parts = None, []
         for mb in (m for m in self.mbs if rows.start <= m.rows.start < rows.stop):
-            r = slice(mb.rows.start - rows.start, mb.rows.stop - rows.start)
-            o = None if old is None else old[mb.rows]
-            f = None if ref is None else ref[mb.rows]
-            (_, m), gr = self.prog.grad(params, mb.inputs, mb.prompt_len, mb.response_ids, weights[r], adv[mb.rows],
-                                        o, f)
+            local = slice(mb.rows.start - rows.start, mb.rows.stop - rows.start)
+            (_, m), gr = self.prog.grad(params, mb.inputs, mb.prompt_len,
+                                        targets.answers(mb.response_ids, local, mb.rows))
             acc = gr if acc is None else self.prog.accumulate(acc, gr)
             parts.append(m)
         return acc, parts

@@ -34,7 +34,7 @@ from rollplex_jax.rl import advantages as adv_lib
 from rollplex_jax.rl import losses
 from rollplex_jax.rl.rewards import RewardScores
 from rollplex_jax.step import metrics as step_metrics
-from rollplex_jax.step.ops import Ops, SerialOps
+from rollplex_jax.step.ops import Ops, SerialOps, Targets
 from rollplex_jax.step.rollplex_ops import RollplexOps
 from rollplex_jax.trace import Tracer
 from rollplex_jax.weights.sharing import WeightPublisher
@@ -116,22 +116,30 @@ def response_texts(rollouts: Rollouts, decode, stop_ids) -> list[list[str]]:
     return out
 
 
-def sample(ctx: StepContext, params: dict, prompts: Prompts, *, n: int, seed: int, greedy: bool = False,
-           tracer: Tracer | None = None, step: int = 0, during_decode=None, first_prompt: int = 0,
-           temperature: float | None = None) -> Rollouts:
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """What one rollout call samples: ``n`` answers per prompt, seeded by ``seed`` and each prompt's index in the
+    step's batch (``first_prompt``: the index of the call's first prompt, so a process decoding a share samples
+    what one process would); at ``temperature`` (None: ``--temperature``; 0: greedy, validation only)."""
+
+    n: int
+    seed: int
+    temperature: float | None = None
+    first_prompt: int = 0
+
+
+def sample(ctx: StepContext, params: dict, prompts: Prompts, draw: Draw, *, tracer: Tracer | None = None,
+           step: int = 0, during_decode=None) -> Rollouts:
     """Rollout under ``params``: publish (bind views), generate, release (so params may be donated).
 
     ``during_decode()`` is called after binding and before decoding: the Rollplex schedule dispatches
-    its prefix programs there so that XLA computes them while torch decodes. ``first_prompt``: the
-    index of ``prompts``' first row in the step's batch (each answer's sampling is seeded by its
-    prompt's index in the batch, so a process decoding a share samples what one process would).
-    ``temperature``: instead of ``--temperature`` (validation's ``--val_temperature``); ``greedy`` wins.
+    its prefix programs there so that XLA computes them while torch decodes.
     """
     r = ctx.cfg.rollout
-    temp = 0.0 if greedy else r.temperature if temperature is None else temperature
+    temp = r.temperature if draw.temperature is None else draw.temperature
     sp = SamplingParams(temperature=temp, top_p=r.top_p, top_k=r.top_k,
-                        max_new_tokens=r.max_new_tokens, stop_token_ids=ctx.stop_ids, seed=seed,
-                        first_prompt=first_prompt)
+                        max_new_tokens=r.max_new_tokens, stop_token_ids=ctx.stop_ids, seed=draw.seed,
+                        first_prompt=draw.first_prompt)
     tracer = tracer or Tracer()
     with tracer.span("host", "weights_ready", step):  # the update's tail (and the refill of its output)
         ctx.publisher.ready(params)
@@ -141,22 +149,42 @@ def sample(ctx: StepContext, params: dict, prompts: Prompts, *, n: int, seed: in
         if during_decode is not None:
             during_decode()
         with tracer.span("torch decode", "rollout", step):
-            return ctx.engine.generate(prompts, n, sp)
+            return ctx.engine.generate(prompts, draw.n, sp)
     finally:
         with tracer.span("host", "release", step):
             ctx.publisher.release()
 
 
-def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], extras, seed: int,
-                         tracer: Tracer, step: int, during_decode=None):
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One step's identity: its index (trace spans, params version), seed, tracer and start time."""
+
+    step: int
+    seed: int
+    tracer: Tracer
+    t0: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sampled:
+    """A step's prompts with what the rollout and the rewards made of them."""
+
+    prompts: Prompts
+    rollouts: Rollouts
+    texts: list[list[str]]
+    scores: RewardScores
+
+
+def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], extras,
+                         run: _Step, during_decode=None) -> _Sampled:
     """G answers per prompt under theta_k (see ``sample``), then their rewards (``RewardScores`` over the B x G
     answers, prompt-major). With several processes each decodes and rewards its share of the prompts, then all
     gather the whole batch (rollouts, overall scores and parts, failures)."""
-    g, procs = ctx.cfg.rollout.group_size, ctx.procs
+    g, procs, tracer, step = ctx.cfg.rollout.group_size, ctx.procs, run.tracer, run.step
     mine = share(prompts.batch_size, procs.index, procs.count)
     local = select_rows(ctx.cfg.model, prompts, np.arange(mine.start, mine.stop)) if procs.many else prompts
-    rollouts = sample(ctx, state.params, local, n=g, seed=seed, tracer=tracer, step=step,
-                      during_decode=during_decode, first_prompt=mine.start)
+    rollouts = sample(ctx, state.params, local, Draw(n=g, seed=run.seed, first_prompt=mine.start), tracer=tracer,
+                      step=step, during_decode=during_decode)
     extras = [{}] * len(answers) if extras is None else extras
     with tracer.span("rewards", "reward", step):
         texts = response_texts(rollouts, ctx.decode, ctx.stop_ids)
@@ -168,77 +196,86 @@ def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, 
             rollouts = gather_rollouts(rollouts, ctx.cfg.rollout.max_new_tokens, ctx.cfg.model.pad_token_id, procs)
             scores = gather_scores(scores, procs)
             texts = response_texts(rollouts, ctx.decode, ctx.stop_ids)
-    return rollouts, texts, scores
+    return _Sampled(prompts, rollouts, texts, scores)
 
 
 def serial_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], *, seed: int,
                 step: int = 0, tracer: Tracer | None = None, extras: list[dict] | None = None) -> StepResult:
     """One synchronous on-policy step, the classic way (the baseline and the equivalence oracle). ``extras``: each
     prompt's extra columns (``Example.extra``), passed to the reward function."""
-    tracer = tracer or Tracer()
-    t0 = time.perf_counter()
-    rollouts, texts, scores = _rollout_and_rewards(ctx, state, prompts, answers, extras, seed, tracer, step)
+    run = _Step(step, seed, tracer or Tracer(), time.perf_counter())
+    out = _rollout_and_rewards(ctx, state, prompts, answers, extras, run)
     _mark(ctx, "rollout", state.params, state.opt_state, state.ref_params)
-    ops = SerialOps(ctx.cfg, ctx.programs, state.ref_params, prompts, rollouts, tracer, step)
-    return _learn(ctx, state, ops, prompts, rollouts, texts, scores, tracer, step, t0)
+    ops = SerialOps(ctx.cfg, ctx.programs, state.ref_params, prompts, out.rollouts, run.tracer, step)
+    return _learn(ctx, state, ops, out, run)
 
 
 def rollplex_step(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], *, seed: int,
                   step: int = 0, tracer: Tracer | None = None, extras: list[dict] | None = None) -> StepResult:
     """One step of the Rollplex schedule: the same update as ``serial_step`` (tested), computed through the
     prefix/suffix split, with the prefix programs dispatched before decoding when ``--overlap``."""
-    tracer = tracer or Tracer()
-    t0 = time.perf_counter()
-    ops = RollplexOps(ctx.cfg, ctx.split, ctx.programs.accumulate, state, prompts, tracer, step, version=step)
+    run = _Step(step, seed, tracer or Tracer(), time.perf_counter())
+    ops = RollplexOps(ctx.cfg, ctx.split, ctx.programs.accumulate, state, prompts, run.tracer, step)
     overlap = ctx.cfg.run.overlap
-    rollouts, texts, scores = _rollout_and_rewards(
-        ctx, state, prompts, answers, extras, seed, tracer, step, during_decode=ops.dispatch if overlap else None)
+    out = _rollout_and_rewards(ctx, state, prompts, answers, extras, run,
+                               during_decode=ops.dispatch if overlap else None)
     if not overlap:
         ops.dispatch()
     ops.wait_prefix()
     _mark(ctx, "rollout", state.params, state.opt_state, state.ref_params, ops)
-    ops.set_rollouts(rollouts)
-    result = _learn(ctx, state, ops, prompts, rollouts, texts, scores, tracer, step, t0)
+    ops.set_rollouts(out.rollouts)
+    result = _learn(ctx, state, ops, out, run)
     ops.drop()
     return result
 
 
-def _learn(ctx: StepContext, state: TrainState, ops: Ops, prompts: Prompts, rollouts: Rollouts, texts,
-           scores: RewardScores, tracer, step, t0) -> StepResult:
-    """Reference scoring, advantages, and the mini-batch updates, for either schedule's ``ops``."""
-    cfg = ctx.cfg
+def _learn(ctx: StepContext, state: TrainState, ops: Ops, out: _Sampled, run: _Step) -> StepResult:
+    """Reference scoring, advantages, and the mini-batch updates, for either schedule's ``ops``.
+
+    The actor's log-probs under theta_k over all answers (``old``) run as a pass of their own only where
+    something needs them: several mini-batches (the ratio's denominator), the KL in the reward, a skipped
+    step's KL or engine-mismatch metric. Otherwise the first mini-batch's gradient programs measure the mismatch
+    (``actor.mismatch_sums``) on the log-probs they compute anyway."""
+    cfg, prompts, rollouts = ctx.cfg, out.prompts, out.rollouts
     b, g, tr = rollouts.response_ids.shape
-    rewards = scores.overall.reshape(b, g)
-    parts = {k: v.reshape(b, g) for k, v in scores.parts.items()}
+    rewards = out.scores.overall.reshape(b, g)
+    parts = {k: v.reshape(b, g) for k, v in out.scores.parts.items()}
     ref_logp = ops.ref_logp() if cfg.rl.uses_reference else None
     _mark(ctx, "score", state.params, state.opt_state, state.ref_params, ops)
     ops.after_ref()
     penalized = jnp.asarray(rewards)
     mask = jnp.asarray(rollouts.mask.reshape(b * g, tr))
-    if cfg.rl.kl_mode == "reward" and ref_logp is not None:
-        old = ops.logp(state.params)
+    kl_reward = cfg.rl.kl_mode == "reward" and ref_logp is not None
+    old = ops.logp(state.params) if kl_reward or cfg.rl.mini_batches > 1 else None
+    if kl_reward:
         penalized = losses.kl_penalized_rewards(penalized, old.reshape(b, g, tr), ref_logp.reshape(b, g, tr),
                                                 mask.reshape(b, g, tr), cfg.rl.kl_coef, cfg.rl.kl_estimator)
     adv = adv_lib.compute_advantages(penalized, cfg.rl.advantage, norm_by_std=cfg.rl.norm_by_std)
-    metrics = {**step_metrics.reward_metrics(rewards, parts, scores.failures),
+    engine = jnp.asarray(rollouts.logprobs.reshape(b * g, tr), jnp.float32)
+    metrics = {**step_metrics.reward_metrics(rewards, parts, out.scores.failures),
                **step_metrics.length_metrics(cfg.model, prompts, rollouts),
                **step_metrics.prefill_metrics(prompts, rollouts), **step_metrics.padding_metrics(ops.slots()),
                "response/stop_frac": float(np.mean([r == "stop" for row in rollouts.finish_reasons for r in row]))}
     # No signal: every advantage is zero, or every answer is empty -> no optimizer step at all
     # (a zero gradient would still move AdamW's params through its moments).
     if not should_update(adv, rollouts.lengths):
+        old = ops.logp(state.params) if old is None else old
         metrics.update({"skipped_steps/no_signal": 1.0, "skipped_steps/nonfinite": 0.0})
         if ref_logp is not None:
             w = losses.token_weights(mask, "token-mean")
-            metrics["kl"] = float(losses.kl_loss(ops.logp(state.params), ref_logp, w, cfg.rl.kl_estimator))
+            metrics["kl"] = float(losses.kl_loss(old, ref_logp, w, cfg.rl.kl_estimator))
         new_state = state
     else:
-        new_state, train_metrics = _train(ctx, state, ops, adv.reshape(b * g), mask, ref_logp, tracer, step)
+        targets = Targets(weights=mask, advantages=adv.reshape(b * g), old=old if cfg.rl.mini_batches > 1 else None,
+                          ref=ref_logp, engine=engine if old is None else None)
+        new_state, train_metrics = _train(ctx, state, ops, targets, run)
         metrics.update(train_metrics)
         metrics["skipped_steps/no_signal"] = 0.0
-    metrics.update(step_metrics.timing_metrics(tracer.phase_totals(step), time.perf_counter() - t0,
-                                               step_metrics.total_tokens(prompts, rollouts), jax.device_count()))
-    return StepResult(new_state, metrics, rollouts, texts, rewards, parts)
+    if old is not None:
+        metrics.update(step_metrics.logprob_mismatch(engine, old, mask))
+    metrics.update(step_metrics.timing_metrics(run.tracer.phase_totals(run.step), time.perf_counter() - run.t0,
+                                               step_metrics.total_tokens(prompts, rollouts), cfg.mesh.train_devices))
+    return StepResult(new_state, metrics, rollouts, out.texts, rewards, parts)
 
 
 def should_update(advantages, lengths) -> bool:
@@ -246,21 +283,23 @@ def should_update(advantages, lengths) -> bool:
     return bool(adv_lib.has_signal(jnp.where(jnp.asarray(lengths) > 0, advantages, 0.0)))
 
 
-def _train(ctx: StepContext, state: TrainState, ops: Ops, adv, mask, ref_logp, tracer, step):
+def _train(ctx: StepContext, state: TrainState, ops: Ops, targets: Targets, run: _Step):
     """Mini-batch loop: gradients (accumulated over micro-batches), then one donated optax update each.
 
+    ``targets.weights`` is the answers' mask [B*G, Tr] here (each mini-batch's token weights are computed from its
+    rows); ``targets.engine``, when given, goes to the first mini-batch only (the mismatch metric under theta_k).
     The optimizer commits theta_{k+1} only after every reader of theta_k (rollout views, prefix
     programs, the first mini-batch's gradient) is done: the update blocks on its inputs.
     """
-    cfg, prog = ctx.cfg, ctx.programs
-    n_mini = cfg.rl.mini_batches
-    old_logp = ops.logp(state.params) if n_mini > 1 else None  # theta_k, before any update
+    cfg, prog, tracer, step = ctx.cfg, ctx.programs, run.tracer, run.step
+    n_mini, mask = cfg.rl.mini_batches, targets.weights
     params, opt_state, version = state.params, state.opt_state, step
     ctx.publisher.join()  # no refill may still read buffers the update donates
     sums: dict[str, float] = {}
     skipped = 0
-    for rows in mini_batch_rows(mask.shape[0], n_mini):
-        weights = losses.token_weights(mask[rows], cfg.rl.loss_agg)
+    for i, rows in enumerate(mini_batch_rows(mask.shape[0], n_mini)):
+        mb = dataclasses.replace(targets, weights=losses.token_weights(mask[rows], cfg.rl.loss_agg),
+                                 engine=targets.engine if i == 0 else None)
         # What is live inside the gradient loop (e.g. the boundary cotangents). The hook must not reference the
         # ops: ops -> hook -> ops is a cycle that keeps each step's ops (inputs, boundary, answers) and the
         # step's params alive until Python's cyclic GC runs, i.e. allocated across the next step's decode.
@@ -268,7 +307,7 @@ def _train(ctx: StepContext, state: TrainState, ops: Ops, adv, mask, ref_logp, t
                                                                         state.ref_params)
         with tracer.span("JAX suffix", "actor", step):
             try:
-                grads, parts = ops.grads(params, rows, weights, adv, old_logp, ref_logp, version)
+                grads, parts = ops.grads(params, rows, mb, version)
             finally:
                 ops.on_live = None
             jax.block_until_ready(grads)
@@ -296,6 +335,8 @@ def _train(ctx: StepContext, state: TrainState, ops: Ops, adv, mask, ref_logp, t
             sums[key] /= max(sums["_weight"], 1e-12)
     sums.pop("_weight", None)
     sums.pop("weight_sum", None)
+    sums.update(step_metrics.mismatch_metrics(sums.pop("logprob_abs_diff_sum", None),
+                                              sums.pop("logprob_abs_diff_max", None), sums.pop("logprob_tokens", None)))
     return TrainState(params, opt_state, state.ref_params), sums
 
 
@@ -305,7 +346,8 @@ _MEAN_METRICS = ("clip_frac", "ratio_mean", "approx_kl", "entropy")
 
 
 def _combine(sums: dict, m: dict, n_mini: int) -> None:
-    """Adds one micro-batch's metrics: sums averaged over mini-batches, means weighted by weight_sum."""
+    """Adds one micro-batch's metrics: sums averaged over mini-batches, means weighted by weight_sum; the engine
+    mismatch's sums added and its maximum kept (``actor.mismatch_sums``)."""
     w = m.get("weight_sum", 0.0)
     sums["_weight"] = sums.get("_weight", 0.0) + w
     for key, v in m.items():
@@ -313,3 +355,7 @@ def _combine(sums: dict, m: dict, n_mini: int) -> None:
             sums[key] = sums.get(key, 0.0) + v / n_mini
         elif key in _MEAN_METRICS:
             sums[key] = sums.get(key, 0.0) + v * w
+        elif key in ("logprob_abs_diff_sum", "logprob_tokens"):
+            sums[key] = sums.get(key, 0.0) + v
+        elif key == "logprob_abs_diff_max":
+            sums[key] = max(sums.get(key, 0.0), v)

@@ -38,6 +38,8 @@ from rollplex_jax.programs.sequences import (
     select_rows,
     vision_token_rows,
 )
+from rollplex_jax.programs.split import BoundaryRows
+from rollplex_jax.step.ops import Targets
 from rollplex_jax.trace import Tracer
 
 
@@ -47,20 +49,16 @@ class StaleBoundaryError(RuntimeError):
 
 @dataclasses.dataclass
 class Boundary:
-    """Prefix outputs of prefix rows [q0, q0 + B') under one params version: k, v [L, B', Tp, K, d], last [B', V],
-    and the rows' key mask [B', Tp] and next text position [B']."""
+    """Prefix outputs of prefix rows [q0, q0 + B') under one params version (``arrays``: k, v [L, B', Tp, K, d],
+    last [B', V], the rows' key mask [B', Tp] and next text position [B'])."""
 
     version: int
-    k: jax.Array
-    v: jax.Array
-    last: jax.Array
-    mask: jax.Array
-    next_pos: jax.Array
+    arrays: BoundaryRows | None
     q0: int = 0
 
     @property
     def rows(self) -> range:
-        return range(self.q0, self.q0 + int(self.last.shape[0]))
+        return range(self.q0, self.q0 + int(self.arrays.last.shape[0]))
 
     def check(self, version: int, consumer: str) -> None:
         if self.version != version:
@@ -69,7 +67,8 @@ class Boundary:
 
 
 def _boundary(version: int, out, inputs: ModelInputs, q0: int) -> Boundary:
-    return Boundary(version, out[0], out[1], out[2], inputs.attention_mask.astype(bool), inputs.next_position, q0)
+    arrays = BoundaryRows(out[0], out[1], out[2], inputs.attention_mask.astype(bool), inputs.next_position)
+    return Boundary(version, arrays, q0)
 
 
 class RollplexOps:
@@ -80,10 +79,9 @@ class RollplexOps:
     residuals freed) -> later mini-batches recompute -> ``drop``.
     """
 
-    def __init__(self, cfg: Config, split, accumulate, state, prompts: Prompts, tracer: Tracer, step: int,
-                 version: int):
-        self.cfg, self.sp, self.accumulate, self.tracer, self.step, self.version = (
-            cfg, split, accumulate, tracer, step, version)
+    def __init__(self, cfg: Config, split, accumulate, state, prompts: Prompts, tracer: Tracer, step: int):
+        self.cfg, self.sp, self.accumulate, self.tracer, self.step = cfg, split, accumulate, tracer, step
+        self.version = step  # theta_k's params version: step k starts from version k (``rl_step._train``)
         g = cfg.rollout.group_size
         self.n = g if cfg.run.prefix_sharing else 1  # answers per prefix row
         self.rows = prompts if cfg.run.prefix_sharing else repeat_rows(cfg.model, prompts, g)
@@ -146,7 +144,7 @@ class RollplexOps:
         return self
 
     def _prefix_outputs(self):
-        return [(b.k, b.last) for b in self.actor], None if self.ref is None else self.ref.last
+        return [(b.arrays.k, b.arrays.last) for b in self.actor], None if self.ref is None else self.ref.arrays.last
 
     def _watch(self, outputs) -> tuple[threading.Thread, list[float]]:
         """A thread that notes when ``outputs`` are ready: while the decode holds the main thread, this is when the
@@ -184,8 +182,8 @@ class RollplexOps:
         for blk in answer_blocks(0, self.n_rows, self.n, self.cfg.rl.micro_batch):
             b = next(x for x in parts if blk.p0 in x.rows)
             b.check(self.version, consumer)
-            lp = self.sp.suffix_logp(blk.p1 - blk.p0, params, b.k, b.v, b.last, b.mask, b.next_pos, blk.p0 - b.q0,
-                                     self.resp[blk.index], self.rmask[blk.index])
+            lp = self.sp.suffix_logp(blk.p1 - blk.p0, params, b.arrays, blk.p0 - b.q0, self.resp[blk.index],
+                                     self.rmask[blk.index])
             out.append(lp.reshape(-1, lp.shape[-1]))
         return jnp.concatenate(out)
 
@@ -197,29 +195,25 @@ class RollplexOps:
         return self._scores(params, self.actor, "actor suffix")
 
     # --- gradients ---------------------------------------------------------------------------------------
-    def grads(self, params, rows: slice, weights, adv, old, ref, version):
+    def grads(self, params, rows: slice, targets: Targets, version):
         """Gradient of the loss on answer rows ``rows`` (a mini-batch: whole prefix rows), micro-batch by
         micro-batch. Only the first mini-batch (params still theta_k) may use the precomputed prefix."""
         m0, m1 = rows.start // self.n, rows.stop // self.n
-        tr = self.resp.shape[-1]
-        w = weights.reshape(m1 - m0, self.n, tr)
-        adv = adv.reshape(self.n_rows, self.n)
-        old, ref = (None if x is None else x.reshape(self.n_rows, self.n, tr) for x in (old, ref))
+        t = targets.reshaped((m1 - m0, self.n), (self.n_rows, self.n))
         res = self.actor[0] if self.actor and self.kept is not None else None
         use_res = version == self.version and res is not None and (m0, m1) == (res.q0, res.rows.stop)
         acc, parts, ct = None, [], None
         for blk in answer_blocks(m0, m1, self.n, self.cfg.rl.micro_batch):
-            idx = blk.index
-            args = (jnp.asarray(self.resp[idx]), w[blk.p0 - m0:blk.p1 - m0, blk.a0:blk.a1], adv[idx],
-                    None if old is None else old[idx], None if ref is None else ref[idx])
+            ans = t.answers(jnp.asarray(self.resp[blk.index]), (slice(blk.p0 - m0, blk.p1 - m0),
+                                                                 slice(blk.a0, blk.a1)), blk.index)
             if use_res:
                 res.check(version, "actor update")
-                g, cts, m = self.sp.suffix_grads(blk.p1 - blk.p0, params, res.k, res.v, res.last, res.mask,
-                                                 res.next_pos, blk.p0 - res.q0, *args)
-                ct = tuple(jnp.zeros_like(x) for x in (res.k, res.v, res.last)) if ct is None else ct
+                g, cts, m = self.sp.suffix_grads(blk.p1 - blk.p0, params, res.arrays, blk.p0 - res.q0, ans)
+                ct = tuple(jnp.zeros_like(x) for x in (res.arrays.k, res.arrays.v, res.arrays.last)) if ct is None \
+                    else ct
                 ct = self.sp.add_cotangent(ct, cts, blk.p0 - res.q0)
             else:
-                g, m = self.sp.grads_recompute(params, *self._part(blk.p0, blk.p1), *args)
+                g, m = self.sp.grads_recompute(params, *self._part(blk.p0, blk.p1), ans)
             acc = g if acc is None else self.accumulate(acc, g)
             parts.append(m)
         if use_res:
@@ -237,7 +231,7 @@ class RollplexOps:
     # --- lifetimes ------------------------------------------------------------------------------------------
     def live(self) -> dict:
         """The boundary state and residuals still held, by buffer class."""
-        kv = [(b.k, b.v, b.last) for b in [*self.actor, self.ref] if b is not None]
+        kv = [(b.arrays.k, b.arrays.v, b.arrays.last) for b in [*self.actor, self.ref] if b is not None]
         return {"boundary_kv": kv or None, "prefix_residuals": self.kept,
                 "other": (self.inputs, self.emb, list(self._cache.values()))}
 

@@ -3,13 +3,14 @@
 Same seed, 3 RL steps: per-step loss and KL within 1e-5, final params within 2% of the update scale
 (lr x updates) per element (tests/equivalence.py: robust to reduction order, and why), for every
 combination of --prefix_sharing and --overlap, with --freeze_vision off and on, with
---actor_prefix=recompute, and with 2 mini-batches (the second recomputes the prefix); and prompts with decoded
+--actor_prefix=recompute, and with 2 mini-batches (the second recomputes the prefix); micro-batch cases at
+--temperature=0.7 too; and prompts with decoded
 videos (a mp4 and a frame list, with their second_per_grid_ts), 2 steps. Also: the split
 gradient equals the full-sequence gradient on random inputs (per parameter, fp32, rtol 1e-5), and a
 stale boundary state raises.
 
-Excluded from the parameter comparison: the decoder's ``self_attn.qkv_proj.bias`` (it holds the k bias,
-whose exact gradient is identically zero: ``tests.equivalence.ZERO_GRADIENT``).
+Params are compared in the checkpoint's layout (``launch.equivalence.checkpoint_layout``), without the decoder's
+k biases, whose exact gradient is identically zero (``launch.equivalence.ZERO_GRADIENT``).
 """
 
 import dataclasses
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from launch.equivalence import checkpoint_layout
 from rollplex_contract.batch import Prompts
 from rollplex_jax.config import (
     Config,
@@ -34,10 +36,12 @@ from rollplex_jax.data.dataset import collate
 from rollplex_jax.data.video_io import load_video, probe_video, video_spec
 from rollplex_jax.data.video_sampling import VideoRule
 from rollplex_jax.models.qwen2_5_vl import model as M
+from rollplex_jax.programs.actor import Answers
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.rl import losses
 from rollplex_jax.run.runner import Runner
 from rollplex_jax.step import rl_step, rollplex_ops
+from rollplex_jax.step.ops import Targets
 from tests.equivalence import assert_same_updates
 from tests.hf_reference import mm_inputs
 from tests.paths import REPO
@@ -47,12 +51,12 @@ TOL = 1e-5
 LR = 3e-3
 
 
-def _config(tmp_path, name, freeze=False, mini=1, micro=4, **run) -> Config:
+def _config(tmp_path, name, freeze=False, mini=1, micro=4, temperature=1.0, **run) -> Config:
     model = ModelConfig.from_json_file(REPO / "configs" / "models" / "demo.json")
     return Config(
         model=model,
         data=DataConfig(synthetic_n=16, eval_n=0, min_pixels=3136, max_pixels=3136, max_prompt_len=64),
-        rollout=RolloutConfig(group_size=4, max_new_tokens=3, max_batch=64),
+        rollout=RolloutConfig(group_size=4, max_new_tokens=3, max_batch=64, temperature=temperature),
         rl=RlConfig(batch_prompts=2, micro_batch=micro, kl_mode="loss", kl_coef=0.1,
                     reward="tests.reward_fns:length_parity",
                     mini_batches=mini),
@@ -66,7 +70,7 @@ def _config(tmp_path, name, freeze=False, mini=1, micro=4, **run) -> Config:
 def _run(cfg):
     r = Runner(cfg)
     metrics = list(r.run())
-    params = {k: np.asarray(v) for k, v in r.state.params.items()}
+    params = checkpoint_layout(r.state.params, r.cfg.model)
     r.close()
     return metrics, params
 
@@ -110,13 +114,17 @@ def test_two_mini_batches_equal_serial(tmp_path):
     _compare(b, a, mini=2)
 
 
-@pytest.mark.parametrize("micro,mini,sharing", [(2, 2, True), (8, 1, True), (3, 1, False)])
-def test_micro_batches_equal_serial(tmp_path, micro, mini, sharing):
+@pytest.mark.parametrize("micro,mini,sharing,temperature", [(2, 2, True, 0.7), (8, 1, True, 1.0),
+                                                             (3, 1, False, 0.7)])
+def test_micro_batches_equal_serial(tmp_path, micro, mini, sharing, temperature):
     """The rollplex gradient programs in micro-batches of --micro_batch answers: half a prompt's answers per
     micro-batch (2 < G = 4), two whole prompts (8), or 3 answer rows without prefix sharing; with two
-    mini-batches the second recomputes its prefix micro-batch by micro-batch."""
-    a = _run(_config(tmp_path, "s", mini=mini, micro=micro))
-    b = _run(_config(tmp_path, "r", mini=mini, micro=micro, schedule="rollplex", prefix_sharing=sharing))
+    mini-batches the second recomputes its prefix micro-batch by micro-batch. Two cases at --temperature=0.7
+    (every log-prob of softmax(logits / T): the ratio's old log-probs with two mini-batches, the KL, the
+    prefix's last logits)."""
+    a = _run(_config(tmp_path, "s", mini=mini, micro=micro, temperature=temperature))
+    b = _run(_config(tmp_path, "r", mini=mini, micro=micro, temperature=temperature, schedule="rollplex",
+                     prefix_sharing=sharing))
     _compare(b, a, mini=mini)
 
 
@@ -146,7 +154,7 @@ def _steps(cfg, prompts, n=2):
                           tracer=r.tracer)
         r.state = out.state
         metrics.append(out.metrics)
-    params = {k: np.asarray(v) for k, v in r.state.params.items()}
+    params = checkpoint_layout(r.state.params, r.cfg.model)
     r.close()
     return metrics, params
 
@@ -203,7 +211,7 @@ def test_serial_rows_of_a_short_prompt_pack(tmp_path):
     cfg = _config(tmp_path, "s")
     prompts = _mixed_prompts(cfg.model)
     r = Runner(cfg)
-    ro = rl_step.sample(r.ctx, r.state.params, prompts, n=4, seed=1)
+    ro = rl_step.sample(r.ctx, r.state.params, prompts, rl_step.Draw(n=4, seed=1))
     r.close()
     mbs = micro_batches(cfg.model, prompts, ro, 4, pack=True)
     assert [mb.inputs.packing is not None for mb in mbs] == [False, True, False]
@@ -211,7 +219,7 @@ def test_serial_rows_of_a_short_prompt_pack(tmp_path):
 
 
 def test_stale_boundary_raises():
-    b = rollplex_ops.Boundary(version=3, k=None, v=None, last=None, mask=None, next_pos=None)
+    b = rollplex_ops.Boundary(version=3, arrays=None)
     b.check(3, "ok")
     with pytest.raises(rollplex_ops.StaleBoundaryError, match="version 3.*version 4"):
         b.check(4, "actor update")
@@ -224,7 +232,7 @@ def test_split_gradient_equals_full_gradient(tmp_path, micro):
     cfg = _config(tmp_path, "g", schedule="rollplex", micro=micro)
     r = Runner(cfg)
     prompts = collate(r.train_set[:2], 0)
-    ro = rl_step.sample(r.ctx, r.state.params, prompts, n=4, seed=1)
+    ro = rl_step.sample(r.ctx, r.state.params, prompts, rl_step.Draw(n=4, seed=1))
     rng = np.random.default_rng(0)
     b, g, tr = ro.response_ids.shape
     ids = rng.integers(8, 31, size=(b, g, tr))
@@ -235,15 +243,16 @@ def test_split_gradient_equals_full_gradient(tmp_path, micro):
 
     full = None
     for mb in micro_batches(cfg.model, prompts, ro, 8):
-        (_, _), gr = r.programs.grad(r.state.params, mb.inputs, mb.prompt_len, mb.response_ids, w[mb.rows],
-                                     adv[mb.rows], None, None)
+        (_, _), gr = r.programs.grad(r.state.params, mb.inputs, mb.prompt_len,
+                                     Answers(ids=mb.response_ids, weights=w[mb.rows], advantages=adv[mb.rows]))
         full = gr if full is None else jax.tree.map(jnp.add, full, gr)
 
-    ops = rollplex_ops.RollplexOps(r.cfg, r.ctx.split, r.programs.accumulate, r.state, prompts, r.tracer, step=0,
-                                   version=0).dispatch()
+    ops = rollplex_ops.RollplexOps(r.cfg, r.ctx.split, r.programs.accumulate, r.state, prompts, r.tracer,
+                                   step=0).dispatch()
     ops.set_rollouts(ro)
-    split_res, _ = ops.grads(r.state.params, slice(0, b * g), w, adv, None, None, version=0)
-    split_rec, _ = ops.grads(r.state.params, slice(0, b * g), w, adv, None, None, version=1)  # -> recompute
+    targets = Targets(weights=w, advantages=adv)
+    split_res, _ = ops.grads(r.state.params, slice(0, b * g), targets, version=0)
+    split_rec, _ = ops.grads(r.state.params, slice(0, b * g), targets, version=1)  # -> recompute
     for name in full:
         ref = np.asarray(full[name])
         for got in (split_res, split_rec):

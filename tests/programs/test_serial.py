@@ -9,7 +9,7 @@ import pytest
 
 from rollplex_jax.config import Config, DataConfig, ModelConfig, OptimConfig, RlConfig, RolloutConfig, RunConfig
 from rollplex_jax.models.qwen2_5_vl.params import init_params, params_sha256
-from rollplex_jax.programs.actor import make_programs
+from rollplex_jax.programs.actor import Answers, make_programs
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.rl import losses
 from rollplex_jax.rl.rewards import RewardError
@@ -39,7 +39,7 @@ def test_should_update():
 
 def test_nonfinite_gradient_skips_the_update():
     cfg = ModelConfig.from_json_file(REPO / "configs" / "models" / "demo.json")
-    prog = make_programs(cfg, RlConfig(), OptimConfig(), total_steps=10)
+    prog = make_programs(cfg, RlConfig(), OptimConfig(), total_steps=10, temperature=1.0)
     params = init_params(cfg, jax.random.key(0))
     before = params_sha256(params)
     state = prog.optimizer.init(params)
@@ -67,7 +67,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tmp_path):
     cfg = small_config(tmp_path)
     r = Runner(cfg)
     prompts = __import__("rollplex_jax.data.dataset", fromlist=["collate"]).collate(r.train_set[:4], 0)
-    ro = rl_step.sample(r.ctx, r.state.params, prompts, n=4, seed=0)
+    ro = rl_step.sample(r.ctx, r.state.params, prompts, rl_step.Draw(n=4, seed=0))
     b, g, tr = ro.response_ids.shape
     mask = jnp.asarray(ro.mask.reshape(b * g, tr))
     weights = losses.token_weights(mask, "token-mean")
@@ -76,8 +76,8 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(tmp_path):
     def total_grad(micro):
         acc = None
         for mb in micro_batches(cfg.model, prompts, ro, micro):
-            (_, _), gr = r.programs.grad(r.state.params, mb.inputs, mb.prompt_len, mb.response_ids,
-                                         weights[mb.rows], adv[mb.rows], None, None)
+            answers = Answers(ids=mb.response_ids, weights=weights[mb.rows], advantages=adv[mb.rows])
+            (_, _), gr = r.programs.grad(r.state.params, mb.inputs, mb.prompt_len, answers)
             acc = gr if acc is None else jax.tree.map(jnp.add, acc, gr)
         return acc
 

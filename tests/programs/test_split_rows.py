@@ -30,10 +30,16 @@ def test_rows_and_cotangent_equal_slicing_exactly(fsdp, size):
         kd = jax.device_put(k, NamedSharding(mesh, PartitionSpec(None, "fsdp")))
         ld = jax.device_put(last, NamedSharding(mesh, PartitionSpec("fsdp")))
         assert split.fsdp_size() == fsdp
+        mask = jax.device_put(rng.random((B, T)) > 0.5, NamedSharding(mesh, PartitionSpec("fsdp")))
+        pos = jax.device_put(np.arange(B, dtype=np.int32), NamedSharding(mesh, PartitionSpec("fsdp")))
+        boundary = split.BoundaryRows(kd, kd, ld, mask, pos)
         rows = jax.jit(split._rows, static_argnums=0)
         add = jax.jit(split._add_cotangent)
         for p0 in range(B - size + 1):
-            got_k, got_last = rows(size, p0, kd, ld)
+            got = rows(size, p0, boundary)
+            got_k, got_last = got.k, got.last
+            np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(mask)[p0:p0 + size])
+            np.testing.assert_array_equal(np.asarray(got.next_pos), np.arange(p0, p0 + size))
             np.testing.assert_array_equal(np.asarray(got_k), k[:, p0:p0 + size])
             np.testing.assert_array_equal(np.asarray(got_last), last[p0:p0 + size])
             gk = rng.standard_normal((L, size, T, K, D)).astype(np.float32)

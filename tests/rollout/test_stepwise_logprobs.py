@@ -1,7 +1,8 @@
 """HFEngine prefills each prompt once for its answers and keeps only the chosen tokens' log-probs (``hf_decode``).
 
 The oracle is transformers' own ``generate`` on the repeated prompts (``generate_rows``: ``output_logits=True``,
-every step's raw logits stacked, log-softmax, gather), kept here as a test helper: same tokens, lengths and
+every step's raw logits stacked, divided by the temperature (1 when greedy), log-softmax over the whole
+vocabulary, gather: the distribution the trainer trains on), kept here as a test helper: same tokens, lengths and
 finish reasons, and log-probs equal to float noise, on the multimodal test inputs, sampled (several warpers) and
 greedy, fp32 and bf16. Also checked: the vision tower and the prompt prefill run once per prompt (not once per
 answer), finished answers leave the decode batch, and the largest set of vocabulary-sized tensors alive during a
@@ -43,8 +44,9 @@ def generate_rows(eng: HFEngine, prompts: Prompts, rows: np.ndarray, sampling: S
     with torch.no_grad():
         out = eng.model.generate(**kw, generation_config=gen, logits_processor=procs)
     seqs = out.sequences[:, kw["input_ids"].shape[1]:]
-    logits = torch.stack(out.logits, dim=1).float()  # [rows, steps, V]
-    logp = torch.log_softmax(logits, -1).gather(-1, seqs[..., None])[..., 0].cpu().numpy()
+    logits = torch.stack(out.logits, dim=1).float()  # [rows, steps, V], raw
+    logp = torch.log_softmax(logits / (sampling.temperature or 1.0), -1).gather(-1, seqs[..., None])[..., 0]
+    logp = logp.cpu().numpy()
     return _finish(seqs.cpu().numpy(), logp, sampling.stop_token_ids, eng.pad_token_id)
 
 
