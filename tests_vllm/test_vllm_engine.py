@@ -21,7 +21,7 @@ from rollplex_contract.batch import Prompts, SamplingParams
 from rollplex_contract.layout import ALIGNED, REBUILT
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.models.qwen2_5_vl.fused import to_hf
-from rollplex_jax.models.qwen2_5_vl.model import full_forward, prepare_inputs
+from rollplex_jax.models.qwen2_5_vl.model import InputOptions, full_forward, prepare_inputs
 from rollplex_jax.models.qwen2_5_vl.params import init_params
 from rollplex_jax.weights.sharing import WeightPublisher
 
@@ -144,7 +144,8 @@ def jax_logprobs(cfg, params, prompts: Prompts, rollouts, sampling: SamplingPara
     for r, row in enumerate(rows):
         ids[r, :len(row)], mask[r, :len(row)] = row, 1
         region[r, :starts[r]] = 1
-    logits = np.asarray(full_forward(params, cfg, prepare_inputs(cfg, ids, mask, vision_region=region)), np.float64)
+    inputs = prepare_inputs(cfg, ids, mask, opts=InputOptions(vision_region=region))
+    logits = np.asarray(full_forward(params, cfg, inputs), np.float64)
     if sampling is not None:
         logits = warped(logits, sampling)
     top = logits.max(-1, keepdims=True)

@@ -27,7 +27,7 @@ from rollout_torch.vllm_engine import VLLMEngine
 from rollplex_contract.batch import Prompts, SamplingParams
 from rollplex_contract.layout import REBUILT
 from rollplex_jax.config import tiny_model_config
-from rollplex_jax.models.qwen2_5_vl.model import full_forward, prepare_inputs
+from rollplex_jax.models.qwen2_5_vl.model import InputOptions, full_forward, prepare_inputs
 from rollplex_jax.models.qwen2_5_vl.params import init_params
 from rollplex_jax.weights.sharing import WeightPublisher
 
@@ -175,7 +175,7 @@ def jax_logprobs(cfg, params, prompts: Prompts, rollouts) -> np.ndarray:
     inputs = prepare_inputs(cfg, ids, mask, pixel_values=np.concatenate(pix) if pix else None,
                             image_grid_thw=grid["image"], video_grid_thw=grid["video"],
                             second_per_grid_ts=np.array([s for _, _, s in parts["video"]], np.float32)
-                            if parts["video"] else None, vision_region=region)
+                            if parts["video"] else None, opts=InputOptions(vision_region=region))
     logp = np.asarray(jax.nn.log_softmax(_forward(params, cfg, inputs).astype(jnp.float32), axis=-1))
     out = np.zeros((b, g, t), np.float32)
     for r, (row, start) in enumerate(zip(rows, starts, strict=True)):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -378,14 +379,26 @@ def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int
         ph.add("score", "suffix_logp", pb, {"ref_weights", "boundary_kv"})
     ph.live["score"] = dict(live)
     live["boundary_kv"] = device_bytes(boundary)  # the reference's ends with scoring
-    _rollplex_train(ph, cfg, A, sp, live, boundary[0], kept, inputs0, emb0, (size, na, Tr, P0, Tp, Tv, frames))
+    first = _FirstPrefix(boundary[0], kept, inputs0, emb0)
+    _rollplex_train(ph, cfg, A, sp, live, first, (size, na, Tr, P0, Tp, Tv, frames))
 
 
-def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, b0, kept, inputs0, emb0, dims) -> None:
+class _FirstPrefix(NamedTuple):
+    """The first mini-batch's actor prefix as the train phase reads it: its boundary (k, v, last), the vjp residuals
+    it kept, its inputs and vision embeddings (or None)."""
+
+    boundary: tuple
+    kept: list
+    inputs: object
+    emb: object
+
+
+def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, first: _FirstPrefix, dims) -> None:
     """The train phase's programs: a micro-batch's suffix gradients and the prefix vjp (residual path), or a
     micro-batch's recomputed-prefix gradient."""
     from rollplex_jax.programs.split import BoundaryRows
 
+    b0, kept, inputs0, emb0 = first
     size, na, Tr, P0, Tp, Tv, frames = dims
     ids, f32 = A.array((size, na, Tr), jnp.int32), A.array((size, na, Tr), jnp.float32)
     answers = _answers(cfg, A, ids, f32, A.array((size, na), jnp.float32))

@@ -15,7 +15,7 @@ import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts, items_per_row
 from rollplex_jax.config import ModelConfig
-from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
+from rollplex_jax.models.qwen2_5_vl.model import InputOptions, ModelInputs, prepare_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ def micro_batches(cfg: ModelConfig, prompts: Prompts, rollouts: Rollouts, micro_
         r1 = min(r0 + micro_batch, rows.stop)
         pix, sel, secs = _select(prompts, spans, prompt_of_row[r0:r1])
         inputs = prepare_inputs(cfg, ids[r0:r1], mask[r0:r1], pix, *sel, second_per_grid_ts=secs,
-                                vision_region=region[r0:r1], groups=groups, pack=pack)
+                                opts=InputOptions(vision_region=region[r0:r1], groups=groups, pack=pack))
         out.append(MicroBatch(slice(r0, r1), inputs, prompts.input_ids.shape[1],
                               rollouts.response_ids.reshape(b * g, tr)[r0:r1], rollouts.mask.reshape(b * g, tr)[r0:r1]))
     return out

@@ -29,7 +29,7 @@ import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
-from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
+from rollplex_jax.models.qwen2_5_vl.model import InputOptions, ModelInputs, prepare_inputs
 from rollplex_jax.programs.sequences import (
     answer_blocks,
     mini_batch_rows,
@@ -106,8 +106,8 @@ class RollplexOps:
     def _prepare(self, p0: int, p1: int) -> ModelInputs:
         r = self.rows if (p0, p1) == (0, self.n_rows) else select_rows(self.cfg.model, self.rows, range(p0, p1))
         return prepare_inputs(self.cfg.model, r.input_ids, r.attention_mask, r.pixel_values, r.image_grid_thw,
-                              r.video_grid_thw, r.second_per_grid_ts, groups=self.cfg.mesh.train_fsdp,
-                              pack=self.cfg.programs.packing)
+                              r.video_grid_thw, r.second_per_grid_ts,
+                              InputOptions(groups=self.cfg.mesh.train_fsdp, pack=self.cfg.programs.packing))
 
     def _part(self, p0: int, p1: int):
         """(inputs, frozen vision embeds) of prefix rows [p0, p1)."""

@@ -59,7 +59,7 @@ def test_next_fit_keeps_order_and_packs_only_when_it_saves_a_row():
 @pytest.mark.parametrize("prog", list(PROGS))
 def test_packed_full_forward_equals_padded(model, prog):
     cfg, params, inp = model
-    padded, packed = M.prepare_inputs(cfg, **inp), M.prepare_inputs(cfg, **inp, pack=True)
+    padded, packed = M.prepare_inputs(cfg, **inp), M.prepare_inputs(cfg, **inp, opts=M.InputOptions(pack=True))
     assert packed.packing is not None and packed.packing.input_ids.shape[0] < len(ROWS)
     fwd = jax.jit(functools.partial(M.full_forward, return_hidden=True, prog=PROGS[prog]), static_argnums=1)
     (want, want_h), (got, got_h) = fwd(params, cfg, padded), fwd(params, cfg, packed)
@@ -74,7 +74,7 @@ def test_packed_full_forward_equals_padded(model, prog):
 @pytest.mark.parametrize("prog", ["blocks4"])  # the one-block (dense) path: test_attention.py, with segments
 def test_packed_prefix_state_and_gradients_equal_padded(model, prog):
     cfg, params, inp = model
-    padded, packed = M.prepare_inputs(cfg, **inp), M.prepare_inputs(cfg, **inp, pack=True)
+    padded, packed = M.prepare_inputs(cfg, **inp), M.prepare_inputs(cfg, **inp, opts=M.InputOptions(pack=True))
     real = jnp.asarray(inp["attention_mask"] > 0)
     ct = jax.random.normal(jax.random.key(2), (len(ROWS), inp["input_ids"].shape[1], cfg.text.vocab_size))
     ct_last = jax.random.normal(jax.random.key(3), (len(ROWS), cfg.text.vocab_size))
@@ -103,7 +103,7 @@ def test_rows_pack_within_their_data_parallel_group(model):
     """groups=2: each half of the rows packs into its own packed rows; on a 2-device fsdp mesh (params and
     activations sharded as in training) the packed forward equals the padded one on one device."""
     cfg, params, inp = model
-    packed = M.prepare_inputs(cfg, **inp, pack=True, groups=2).packing
+    packed = M.prepare_inputs(cfg, **inp, opts=M.InputOptions(pack=True, groups=2)).packing
     seg = np.asarray(packed.segments)
     half = seg.shape[0] // 2
     assert seg.shape[0] % 2 == 0 and seg.shape[0] < len(ROWS)
@@ -112,7 +112,7 @@ def test_rows_pack_within_their_data_parallel_group(model):
     mesh = mesh_lib.train_mesh(MeshConfig(train_fsdp=2, train_tp=1), jax.devices()[:2])
     with jax.set_mesh(mesh):
         placed = mesh_lib.place(params, mesh_lib.param_shardings(cfg, mesh))
-        got = jax.jit(M.full_forward, static_argnums=1)(placed, cfg, M.prepare_inputs(cfg, **inp, pack=True,
-                                                                                       groups=2))
+        got = jax.jit(M.full_forward, static_argnums=1)(placed, cfg, M.prepare_inputs(
+            cfg, **inp, opts=M.InputOptions(pack=True, groups=2)))
     real = inp["attention_mask"] > 0
     _close(np.asarray(got)[real], np.asarray(want)[real])

@@ -190,7 +190,7 @@ def test_packed_steps_equal_padded(tmp_path):
     padded = dataclasses.replace(_config(tmp_path, "p"), programs=ProgramConfig(packing=False))
     prompts = _mixed_prompts(padded.model)
     assert M.prepare_inputs(padded.model, prompts.input_ids, prompts.attention_mask, prompts.pixel_values,
-                            prompts.image_grid_thw, pack=True).packing.input_ids.shape[0] == 2
+                            prompts.image_grid_thw, opts=M.InputOptions(pack=True)).packing.input_ids.shape[0] == 2
     oracle = _steps(padded, prompts)
     assert any(m["skipped_steps/no_signal"] == 0 for m in oracle[0])
     for schedule in ("serial", "rollplex"):

@@ -83,6 +83,21 @@ class PrefixState:
     next_position: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """How ``prepare_inputs`` lays rows out beyond their tokens and images.
+
+    ``vision_region`` [B, T]: where placeholders may be (None: everywhere; the prompt part of prompt ++ answer
+    rows, since a sampled answer may contain the pad ids as plain tokens). ``groups``: the data-parallel degree
+    (``fsdp``) the vision tower's patches are split over; its layout is then group-local where the items allow
+    (``rope.group_layout``: every window gather within a device). ``pack``: the decoder runs on the rows' real
+    tokens packed into fewer rows of the same length (``packing.py``) where that saves a row."""
+
+    vision_region: np.ndarray | None = None
+    groups: int = 1
+    pack: bool = False
+
+
 def prepare_inputs(
     cfg: ModelConfig,
     input_ids: np.ndarray,
@@ -91,26 +106,19 @@ def prepare_inputs(
     image_grid_thw: np.ndarray | None = None,
     video_grid_thw: np.ndarray | None = None,
     second_per_grid_ts: np.ndarray | None = None,
-    vision_region: np.ndarray | None = None,
-    groups: int = 1,
-    pack: bool = False,
+    opts: InputOptions = InputOptions(),
 ) -> ModelInputs:
     """Checks token/grid consistency and computes positions and the vision layout (host side).
 
-    ``groups``: the data-parallel degree (``fsdp``) the vision tower's patches are split over; its layout
-    is then group-local where the items allow (``rope.group_layout``: every window gather within a device).
-
     ``pixel_values`` holds the patches of every image (in batch order) followed by those of
     every video, matching ``image_grid_thw`` then ``video_grid_thw``; ``second_per_grid_ts`` [n_videos] the
-    videos' seconds per temporal grid step (M-RoPE time scale; None: 1.0 each). ``vision_region`` [B, T]
-    marks where placeholders may be (default everywhere; the prompt part of prompt ++ answer
-    rows, since a sampled answer may contain the pad ids as plain tokens). ``pack``: the decoder runs on the
-    rows' real tokens packed into fewer rows of the same length (``packing.py``) where that saves a row.
+    videos' seconds per temporal grid step (M-RoPE time scale; None: 1.0 each). ``opts``: placeholder region,
+    vision groups and packing (``InputOptions``).
     """
     input_ids = np.asarray(input_ids)
     attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
     merge = cfg.vision.spatial_merge_size**2
-    types = rope.token_types(input_ids, cfg, vision_region)
+    types = rope.token_types(input_ids, cfg, opts.vision_region)
     types[attention_mask == 0] = rope.TEXT
     grids = [g for g in (image_grid_thw, video_grid_thw) if g is not None and len(g)]
     grids = np.concatenate(grids).astype(np.int64) if grids else np.zeros((0, 3), np.int64)
@@ -131,8 +139,8 @@ def prepare_inputs(
                          "one value per video_grid_thw row (seconds per temporal grid step), or None")
     positions, next_pos = rope.get_rope_index(input_ids, attention_mask, cfg, image_grid_thw, video_grid_thw,
                                               second_per_grid_ts, types)
-    layout = rope.vision_layout(grids, cfg.vision).arrays(groups) if len(grids) else None
-    packed = P.pack_layout(attention_mask, groups) if pack else None
+    layout = rope.vision_layout(grids, cfg.vision).arrays(opts.groups) if len(grids) else None
+    packed = P.pack_layout(attention_mask, opts.groups) if opts.pack else None
     return ModelInputs(
         input_ids=jnp.asarray(input_ids, jnp.int32),
         attention_mask=jnp.asarray(attention_mask, jnp.int32),

@@ -12,7 +12,7 @@ Why: prompts of different lengths are left-padded to the longest, and the serial
 answer) repeat each prompt's padding G times. The decoder's cost is linear (matmuls) and quadratic
 (attention) in the padded length; packing computes P rows instead of B.
 
-How: packing happens on the host (``prepare_inputs(..., pack=True)``) and only where it saves a row
+How: packing happens on the host (``prepare_inputs(..., opts=InputOptions(pack=True))``) and only where it saves a row
 (P < B); outputs go back to the padded layout inside the program by one gather (``unpack_rows``), so
 every consumer (losses, the prefix state, the suffix) sees the padded shapes as before. On a mesh the rows
 are packed per data-parallel group (``groups`` contiguous row blocks, each into the same number of packed
