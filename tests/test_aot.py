@@ -27,7 +27,7 @@ def test_every_program_of_a_step_compiles_and_reports_bytes(schedule):
     for name, pb in c.programs.items():
         assert pb.argument > 0 and pb.total >= pb.temp, name
     assert set(c.phase_bytes) == {"rollout", "score", "train", "update"}
-    params = aot.device_bytes(aot.Abstract(cfg).params)
+    params = aot.abstract_shard_bytes(aot.Abstract(cfg).params)
     assert all(b >= params for b in c.phase_bytes.values())  # the weights are on the device in every phase
 
 

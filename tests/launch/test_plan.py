@@ -184,6 +184,22 @@ def test_cli_json_format_and_overrides():
     assert bad.returncode != 0 and "multiple of" in bad.stderr
 
 
+def test_cli_compile_on_a_mesh_needs_no_xla_flags(tmp_path):
+    """README's ``launch.plan --flagfile=<a multi-device flagfile> --compile`` as written: XLA_FLAGS absent, the
+    CLI gives JAX the fake CPU devices itself (it used to fail: "compiling for 2 devices needs as many visible
+    ones"), and the programs compile sharded over them."""
+    flagfile = tmp_path / "tiny_2dev.flags"
+    flagfile.write_text(f"--flagfile={REPO / 'configs' / 'tiny_cpu.flags'}\n--train_fsdp=2\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "launch.plan", f"--flagfile={flagfile}", "--compile", "--format=json"],
+                       cwd=REPO, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 2 and set(out["planned_vs_compiled"]) == set(PHASES)
+    weights = out["compiled_phases"]["train"]["live_bytes"]["compute_weights"]
+    assert weights < 0.6 * out["params"]["total"] * 4  # float32 params split over the 2 devices
+
+
 # --- policies and budgets -------------------------------------------------------------------------------------
 
 def _32b():

@@ -24,6 +24,7 @@ Everything is a pure function of the config (and the lengths, device count and p
 
 from rollplex_jax.memory.planner.activations import (
     BWD_FACTOR,
+    Pass,
     prefix_residual_bytes,
     saved_activations,
 )
@@ -51,7 +52,7 @@ from rollplex_jax.memory.planner.types import (
 
 __all__ = [
     "ATTENTIONS", "BASELINES", "BWD_FACTOR", "DENSE_PROGRAMS", "DEFAULT_PROGRAMS", "LAYOUTS", "REMATS",
-    "WEIGHT_SHARING_RULE", "Budget", "BudgetError", "GiB", "KiB", "Lengths", "MiB", "ParamCounts", "Plan",
+    "WEIGHT_SHARING_RULE", "Budget", "BudgetError", "GiB", "KiB", "Lengths", "MiB", "ParamCounts", "Pass", "Plan",
     "PlanMesh", "ProgramModel", "build_plan", "choose_optimizer_policy", "human_bytes", "megatron_vllm",
     "param_counts", "plan", "prefix_residual_bytes", "saved_activations", "sharing_classification",
     "smallest_budget",

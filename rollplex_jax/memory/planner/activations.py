@@ -43,6 +43,7 @@ Transient working sets (phase-local temporaries):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from rollplex_jax.config import ModelConfig
@@ -134,12 +135,24 @@ def _vision_const(m: ModelConfig, n: int) -> float:
             + 2 * (n // unit) * 4 + dv * b)
 
 
-def saved_activations(m: ModelConfig, r: int, t: int, tk: int, n: int, pm: ProgramModel,
-                      text_const: bool = True, per_image: int | None = None, tp: int = 1) -> float:
-    """Saved activations of a forward (for its backward) over r rows x t tokens (tk keys) and n patches,
-    whole model, on one device of a tp group."""
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """What one forward covers on one device: ``rows`` of ``tokens`` attending ``keys`` keys, and ``patches``
+    vision patches of images of ``per_image`` patches each (None: patches / rows)."""
+
+    rows: float
+    tokens: int
+    keys: int
+    patches: float = 0
+    per_image: int | None = None
+
+
+def saved_activations(m: ModelConfig, fwd: Pass, pm: ProgramModel, tp: int = 1, text_const: bool = True) -> float:
+    """Saved activations of a forward (for its backward) over ``fwd``'s rows, tokens, keys and patches, whole
+    model, on one device of a tp group."""
     L, dd, d, b = m.text.num_hidden_layers, m.text.hidden_size, m.text.head_dim, dtype_bytes(m)
     v = m.vision
+    r, t, tk, n, per_image = fwd.rows, fwd.tokens, fwd.keys, fwd.patches, fwd.per_image
     if pm.remat in ("none", "dots"):  # dots: planned as no remat (an upper bound)
         out = L * layer_saved(m, r, t, tk, pm, tp)
         if n:
@@ -191,7 +204,7 @@ def prefix_residual_bytes(m: ModelConfig, rows: int, prompt_tokens: int, vision_
     unit = m.vision.spatial_merge_size**2
     vision = vision and vision_tokens > 0  # no patches: the vision tower does not run
     n = rows * vision_tokens * unit if vision else 0
-    return saved_activations(m, rows, prompt_tokens, prompt_tokens, n, pm, tp=tp)
+    return saved_activations(m, Pass(rows, prompt_tokens, prompt_tokens, n), pm, tp=tp)
 
 
 def backward_carry(m: ModelConfig, tokens: float, patches: float, tp: int = 1) -> float:

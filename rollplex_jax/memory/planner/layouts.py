@@ -89,6 +89,7 @@ from rollplex_jax.config import Config, ModelConfig
 from rollplex_jax.memory.classes import CLASSES, PHASES
 from rollplex_jax.memory.planner.activations import (
     BWD_FACTOR,
+    Pass,
     backward_carry,
     block_temp,
     layer_temp,
@@ -231,7 +232,7 @@ def naive_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: Program
              + max(layer_temp(m, r_mb, t_full, t_full, pm, tp),
                    block_temp(m, n_mb, pm, patches, tp) + 2 * n_mb * v.hidden_size * b)
              ) + r_mb * s.logits_row * (t_full * (F32 + b) + Tr * 2 * F32)
-    train = (saved_activations(m, r_mb, t_full, t_full, n_mb, pm, per_image=patches, tp=tp)
+    train = (saved_activations(m, Pass(r_mb, t_full, t_full, n_mb, patches), pm, tp)
              + BWD_FACTOR * max(layer_temp(m, r_mb, t_full, t_full, pm, tp), block_temp(m, n_mb, pm, patches, tp))
              + one_layer_saved(m, r_mb, t_full, t_full, n_mb, pm, tp)) \
         + r_mb * s.logits_row * (t_full * (2 * F32 + b) + Tr * 2 * F32)
@@ -286,7 +287,7 @@ def _rollplex_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: Pro
     # scoring: the fp32 logits and one fp32 temporary per logit (log-softmax fused; measured with aot)
     suffix_score = (2 * r_s * Tr * x.hidden_size * b + layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)) \
         + r_s * s.logits_row * Tr * 2 * F32
-    suffix_train = (saved_activations(m, r_s, Tr, Tp + Tr, 0, pm, tp=tp)
+    suffix_train = (saved_activations(m, Pass(r_s, Tr, Tp + Tr), pm, tp)
                     + BWD_FACTOR * layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)
                     + one_layer_saved(m, r_s, Tr, Tp + Tr, 0, pm, tp)) \
         + r_s * s.logits_row * Tr * (2 * F32 + b + 2 * F32)
@@ -294,7 +295,7 @@ def _rollplex_activations(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: Pro
     # aot at scale_cpu: its temp is about the sum of the two, not the larger one).
     prefix_bwd = (BWD_FACTOR * (layer_temp(m, bwd_rows, Tp, Tp, pm, tp) + block_temp(m, nb, pm, patches, tp))
                   + one_layer_saved(m, bwd_rows, Tp, Tp, nb, pm, tp) + backward_carry(m, bwd_rows * Tp, nb, tp))
-    recompute_saved = 0.0 if residuals else saved_activations(m, mb_rows, Tp, Tp, nb, pm, per_image=patches, tp=tp)
+    recompute_saved = 0.0 if residuals else saved_activations(m, Pass(mb_rows, Tp, Tp, nb, patches), pm, tp)
     kv_row = x.num_hidden_layers * Tp * 2 * _kv_heads(m, tp) * x.head_dim * b + x.vocab_size * F32
     one_kv = Bp * kv_row
     gathered = gathered_weights(s, mesh)
