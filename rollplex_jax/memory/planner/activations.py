@@ -47,29 +47,23 @@ import dataclasses
 import math
 
 from rollplex_jax.config import ModelConfig
-from rollplex_jax.memory.planner.types import DENSE_PROGRAMS, F32, ProgramModel, dtype_bytes
+from rollplex_jax.memory.planner.types import DENSE_PROGRAMS, F32, ProgramModel, dtype_bytes, split_dim
 
 # Layer working sets a backward step holds beside the saved activations (see the module doc).
 BWD_FACTOR = 1
 
 
-def _split(n: int, tp: int) -> int:
-    """Per-device size of a dimension tensor parallelism splits: n / tp, or n where tp does not divide it
-    (``mesh.partition_spec`` leaves such a dimension whole)."""
-    return n // tp if tp > 1 and n % tp == 0 else n
-
-
 def tp_widths(m: ModelConfig, tp: int = 1) -> tuple[int, int, int, int, int]:
     """Per-device (D, F, H, K, d) of a decoder layer on a tp group: heads and MLP width split, D whole."""
     x = m.text
-    return (x.hidden_size, _split(x.intermediate_size, tp), _split(x.num_attention_heads, tp),
-            _split(x.num_key_value_heads, tp), x.head_dim)
+    return (x.hidden_size, split_dim(x.intermediate_size, tp), split_dim(x.num_attention_heads, tp),
+            split_dim(x.num_key_value_heads, tp), x.head_dim)
 
 
 def tp_vision_widths(m: ModelConfig, tp: int = 1) -> tuple[int, int, int, int]:
     """Per-device (dv, Fv, hv, dh) of a vision block on a tp group."""
     v = m.vision
-    return v.hidden_size, _split(v.intermediate_size, tp), _split(v.num_heads, tp), v.head_dim
+    return v.hidden_size, split_dim(v.intermediate_size, tp), split_dim(v.num_heads, tp), v.head_dim
 
 
 def layer_saved(m: ModelConfig, r: int, t: int, tk: int, pm: ProgramModel, tp: int = 1) -> float:
