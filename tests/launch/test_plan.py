@@ -220,6 +220,7 @@ def test_cli_compile_on_a_mesh_needs_no_xla_flags(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["devices"] == 2 and set(out["planned_vs_compiled"]) == set(PHASES)
+    assert all(v["total_bytes"] > 0 for v in out["compiled"].values())
     weights = out["compiled_phases"]["train"]["live_bytes"]["compute_weights"]
     assert weights < 0.6 * out["params"]["total"] * 4  # float32 params split over the 2 devices
 
