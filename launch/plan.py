@@ -282,16 +282,26 @@ def compiled_table(out: dict) -> str:
 
 
 def _fake_devices(n: int) -> None:
-    """Before JAX starts: enough fake CPU devices for an n-device mesh (a GPU backend, if any, stays the
-    default; aot.py falls back to the CPU devices when it has fewer)."""
+    """Enough CPU devices for an n-device mesh (``--compile``; a GPU backend, if any, stays the default and
+    aot.py falls back to the CPU devices when it has fewer): JAX's ``jax_num_cpu_devices``, which JAX reads
+    when its backends start (the first JAX operation, after this), not at import, so it holds although
+    the flag modules imported JAX already; no XLA_FLAGS needed. A larger count already in XLA_FLAGS
+    (``--xla_force_host_platform_device_count``) is kept. Raises ``app.UsageError`` naming the fix when the
+    backends started before (nothing in this command runs a JAX operation before here)."""
     import os
-    import sys
+    import re
 
-    if "jax" in sys.modules or n <= 1:
+    import jax
+
+    given = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    if n <= 1 or (given and int(given.group(1)) >= n) or jax.config.jax_num_cpu_devices >= n:
         return
-    xla = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in xla:
-        os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={n}".strip()
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:  # JAX's backends already started: the count cannot change in this process
+        raise app.UsageError(f"--compile for {n} devices needs {n} CPU devices, and JAX started with fewer ({e}); "
+                             f"run it in a fresh process or set XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+                             ) from None
 
 
 def simulate_main(cfg):

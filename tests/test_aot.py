@@ -41,7 +41,7 @@ def test_every_program_of_a_step_compiles_and_reports_bytes(schedule):
     A, pr = aot.Abstract(cfg), c.programs
     P = planner.param_counts(cfg).total * 4
     opt = 2 * P + 2 * 4
-    assert P == aot.device_bytes(A.params) == 605_696 and c.live_bytes["train"]["optimizer_state"] == opt
+    assert P == aot.abstract_shard_bytes(A.params) == 605_696 and c.live_bytes["train"]["optimizer_state"] == opt
     assert all(b >= P for b in c.phase_bytes.values())  # the weights are on the device in every phase
     assert pr["clip"].argument == P  # the gradients
     assert pr["update_chunk"].argument == P + opt + P + 1  # params, Adam state, clipped gradients, all-finite flag

@@ -101,13 +101,17 @@ def test_sharded_run_equals_single_device(single, tmp_path_factory, schedule, fs
     # one device: every engine tensor a view of the actor's buffer; sharded: the split ones are rebuilt
     assert ref_report.bytes["rebuilt"] == 0
     assert report.bytes["rebuilt"] > 0
-    # memory measured on the mesh (the busiest device) beside the planner's per-device figure
+    # memory measured on the mesh (the busiest device) beside the planner's per-device figure: within 15% per
+    # phase, as on one device (tests/test_memory.py)
     mem = summary["memory"]
     assert mem["devices"] == fsdp * tp and mem["measured_peak_bytes"]["train"] > 0
     if schedule == "rollplex":
-        ratios = {p: v["planned_over_measured"] for p, v in mem["planned_vs_measured"].items()}
-        print(f"planned / measured per device ({fsdp}x{tp}): {ratios}")
-        assert set(ratios) >= {"rollout", "score", "train", "update"}
+        rows = mem["planned_vs_measured"]
+        print(f"planned / measured per device ({fsdp}x{tp}): "
+              f"{ {p: v['planned_over_measured'] for p, v in rows.items()} }")
+        assert set(rows) == {"rollout", "score", "train", "update"}
+        for phase, row in rows.items():
+            assert 0.85 <= row["planned_over_measured"] <= 1.15, (phase, row)
 
 
 @pytest.mark.parametrize("fsdp,tp,temperature", [(2, 2, 1.0), (1, 4, 0.7)])

@@ -90,8 +90,9 @@ def compile_setup(cfg: Config) -> tuple[Config, dict | None, str]:
     return cfg, {"xla_disable_hlo_passes": ",".join(filter(None, passes))}, "; ".join(note)
 
 
-def device_bytes(tree) -> int:
-    """Per-device bytes of a pytree of ShapeDtypeStructs (the largest shard of each, by its sharding)."""
+def abstract_shard_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of ShapeDtypeStructs (the largest shard of each, by its sharding;
+    nothing is allocated: ``meter.live_buffer_bytes`` counts live buffers)."""
     total = 0
     for x in jax.tree.leaves(tree):
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
@@ -259,15 +260,15 @@ def _update_phase(ph: _Phases, optimizer, params, opt, grads, live: dict, offloa
     takes; resident, all of it is live and the chunk is part of it."""
     pb, (clipped, _, ok) = ph.compile(optimizer._clip, grads)
     ph.add("update", "clip", pb, {"gradients", "clipped"})
-    sizes = [device_bytes({k: params[k] for k in g}) for g in optimizer.names]
+    sizes = [abstract_shard_bytes({k: params[k] for k in g}) for g in optimizer.names]
     i = int(np.argmax(sizes))
     group = optimizer.names[i]
     args = ({k: params[k] for k in group}, opt.chunks[i], opt.master[i], {k: clipped[k] for k in group}, ok)
     pb, _ = ph.compile(optimizer._chunk, *args)
-    live = dict(live, clipped=device_bytes(clipped))
+    live = dict(live, clipped=abstract_shard_bytes(clipped))
     ph.live["update"] = live
     ph.add("update", "update_chunk", pb, set(),
-           partial=device_bytes((args[0], args[3]) if offload else args[:4]))
+           partial=abstract_shard_bytes((args[0], args[3]) if offload else args[:4]))
 
 
 def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int = 0) -> Compiled:
@@ -287,9 +288,9 @@ def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int 
                           temperature=cfg.rollout.temperature)
     with jax.set_mesh(A.mesh) if A.mesh is not None else contextlib.nullcontext():
         opt = optimizer_state(progs.optimizer, A.params, A)
-        base = {"compute_weights": device_bytes(A.params),
-                "ref_weights": device_bytes(A.params) if cfg.rl.uses_reference else 0}
-        resident = {"optimizer_state": device_bytes(opt)}
+        base = {"compute_weights": abstract_shard_bytes(A.params),
+                "ref_weights": abstract_shard_bytes(A.params) if cfg.rl.uses_reference else 0}
+        resident = {"optimizer_state": abstract_shard_bytes(opt)}
         ph = _Phases(options, note)
         if cfg.run.schedule == "rollplex":
             _rollplex(ph, cfg, A, progs, lengths, frames, base, {} if offload else resident)
@@ -298,7 +299,7 @@ def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int 
         grads = A.params
         other = ph.live["train"].get("other", 0)  # the step's inputs live until the step ends (after its update)
         _update_phase(ph, progs.optimizer, A.params, opt, grads,
-                      dict(base, **({} if offload else resident), other=other, gradients=device_bytes(grads)), offload)
+                      dict(base, **({} if offload else resident), other=other, gradients=abstract_shard_bytes(grads)), offload)
     return ph.result()
 
 
@@ -319,16 +320,16 @@ def _serial(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int, 
     mb = min(cfg.rl.micro_batch, rows)
     inputs = A.inputs(mb, Tp, Tv, Tr, frames)
     n_mb = math.ceil(rows / mb)
-    other = device_bytes(inputs) * n_mb  # the step's micro-batches are built up front (SerialOps)
+    other = abstract_shard_bytes(inputs) * n_mb  # the step's micro-batches are built up front (SerialOps)
     ids, f32 = A.array((mb, Tr), jnp.int32), A.array((mb, Tr), jnp.float32)
     ph.live["rollout"] = dict(base, **resident)
     if cfg.rl.uses_reference:
         pb, _ = ph.compile(progs.ref_logprobs, A.params, inputs, Tp, ids, A.array((mb, Tr), jnp.int32))
-        ph.add("score", "ref_logprobs", pb, {"ref_weights"}, partial=device_bytes(inputs))
+        ph.add("score", "ref_logprobs", pb, {"ref_weights"}, partial=abstract_shard_bytes(inputs))
     ph.live["score"] = dict(base, **resident, other=other)
     pb, _ = ph.compile(progs.grad, A.params, inputs, Tp, _answers(cfg, A, ids, f32, A.array((mb,), jnp.float32)))
-    ph.add("train", "grad", pb, {"compute_weights"}, partial=device_bytes(inputs))
-    ph.live["train"] = dict(base, **resident, other=other, gradients=device_bytes(A.params))
+    ph.add("train", "grad", pb, {"compute_weights"}, partial=abstract_shard_bytes(inputs))
+    ph.live["train"] = dict(base, **resident, other=other, gradients=abstract_shard_bytes(A.params))
 
 
 def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int, base: dict,
@@ -347,13 +348,13 @@ def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int
     D = cfg.model.text.hidden_size
     inputs = A.inputs(P, Tp, Tv, 0, frames)
     inputs0 = inputs if P0 == P else A.inputs(P0, Tp, Tv, 0, frames)
-    live = dict(base, **resident, other=device_bytes(inputs))
+    live = dict(base, **resident, other=abstract_shard_bytes(inputs))
     emb = emb0 = None
     if cfg.optim.freeze_vision and Tv:
         pb, emb = ph.compile(sp.vision, A.params, inputs)
         ph.add("rollout", "vision", pb, {"compute_weights", "other", "emb"})
         emb0 = emb if P0 == P else A.array((emb.shape[0] * P0 // P, D), emb.dtype)
-        live["emb"] = device_bytes(emb)
+        live["emb"] = abstract_shard_bytes(emb)
     fn = sp.actor_prefix.program if res else sp.prefix
     pb, out = ph.compile(fn, A.params, inputs0, emb0)
     ph.add("rollout", "actor_prefix", pb, {"compute_weights", "other", "emb", "boundary_kv", "prefix_residuals"})
@@ -363,12 +364,12 @@ def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int
         _, rest = ph.compile(sp.prefix, A.params, A.inputs(P - P0, Tp, Tv, 0, frames),
                                   None if emb is None else A.array((emb.shape[0] - emb0.shape[0], D), emb.dtype))
         boundary.append(rest)
-    live.update(boundary_kv=device_bytes(boundary), prefix_residuals=device_bytes(kept))
+    live.update(boundary_kv=abstract_shard_bytes(boundary), prefix_residuals=abstract_shard_bytes(kept))
     ref_b = None
     if cfg.rl.uses_reference:
         pb, ref_b = ph.compile(sp.prefix, A.params, inputs, emb)
         ph.add("rollout", "ref_prefix", pb, {"ref_weights", "other", "emb", "boundary_kv"})
-        live["boundary_kv"] += device_bytes(ref_b)
+        live["boundary_kv"] += abstract_shard_bytes(ref_b)
     ph.live["rollout"] = dict(live)
     blk = answer_blocks(0, P, n, cfg.rl.micro_batch)[0]
     size, na = blk.p1 - blk.p0, blk.a1 - blk.a0
@@ -378,7 +379,7 @@ def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int
         pb, _ = ph.compile(sp.suffix_logp, size, A.params, BoundaryRows(*ref_b, mask, pos), 0, ids, rmask)
         ph.add("score", "suffix_logp", pb, {"ref_weights", "boundary_kv"})
     ph.live["score"] = dict(live)
-    live["boundary_kv"] = device_bytes(boundary)  # the reference's ends with scoring
+    live["boundary_kv"] = abstract_shard_bytes(boundary)  # the reference's ends with scoring
     first = _FirstPrefix(boundary[0], kept, inputs0, emb0)
     _rollplex_train(ph, cfg, A, sp, live, first, (size, na, Tr, P0, Tp, Tv, frames))
 
@@ -402,14 +403,14 @@ def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, first
     size, na, Tr, P0, Tp, Tv, frames = dims
     ids, f32 = A.array((size, na, Tr), jnp.int32), A.array((size, na, Tr), jnp.float32)
     answers = _answers(cfg, A, ids, f32, A.array((size, na), jnp.float32))
-    grads = device_bytes(A.params)
+    grads = abstract_shard_bytes(A.params)
     live = dict(live, gradients=grads)
     if cfg.run.actor_prefix == "residuals":
         mask, pos = A.array((P0, Tp), bool), A.array((P0,), jnp.int32)
         pb, (_, cts, _) = ph.compile(sp.suffix_grads, size, A.params, BoundaryRows(*b0, mask, pos), 0, answers)
         ph.add("train", "suffix_grads", pb, {"compute_weights", "boundary_kv"})
         ct = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) for x in b0)
-        live["cotangents"] = device_bytes(ct)
+        live["cotangents"] = abstract_shard_bytes(ct)
         meta = sp.actor_prefix.meta(A.params, inputs0, emb0)
         pb, _ = ph.compile(sp.prefix_vjp, meta, A.params, kept, *ct)
         ph.add("train", "prefix_vjp", pb, {"compute_weights", "prefix_residuals", "cotangents"})

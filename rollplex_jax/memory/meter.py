@@ -7,10 +7,11 @@ This module
   takes the arrays the scheduler holds by class at the end of a phase (while the phase's inputs
   and outputs are both alive; the step's model inputs as ``other``), de-duplicated by (device,
   buffer pointer); every other live device array of the process is reported apart as
-  ``memory/<phase>_unattributed_bytes`` (a leak shows there); programs run through ``track`` add their XLA temp bytes
-  (``compiled.memory_analysis()``) as ``activations``; the torch engine's own tensors (rebuilt
-  weights) count as ``rollout_weights``. Where the backend has ``memory_stats`` (GPU) the meter
-  also records ``peak_bytes_in_use`` per phase.
+  ``memory/<phase>_unattributed_bytes`` (a leak shows there); programs run through ``track`` add their XLA
+  temp bytes (``compiled.memory_analysis()``) as ``activations`` (a backend without memory analysis: 0,
+  with a warning naming the program, once; any other failure to lower or compile raises); the torch
+  engine's own tensors (rebuilt weights) count as ``rollout_weights``. Where the backend has
+  ``memory_stats`` (GPU) the meter also records ``peak_bytes_in_use`` per phase.
 - counts theta_k bytes that outlived a donating update (``undonated_bytes``: an in-flight checkpoint
   copy or a user's numpy view blocks donation; torch views are checked released by the ShardedBinder).
 
@@ -21,6 +22,7 @@ What is not measured on CPU: the rollout engine's KV cache (torch allocates it i
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -46,8 +48,10 @@ def _buffers(a: jax.Array):
         yield (shard.device.id, ptr), d.nbytes
 
 
-def device_bytes(tree) -> int:
-    """Device bytes of a pytree's arrays, each buffer counted once."""
+def live_buffer_bytes(tree) -> int:
+    """Bytes of a pytree's live device buffers, summed over devices, each buffer counted once (arrays in host
+    memory and deleted ones count 0). ``aot.abstract_shard_bytes`` is its ahead-of-time counterpart: the
+    bytes one device would hold of abstract arrays."""
     seen = {}
     for a in _leaves(tree):
         for key, n in _buffers(a):
@@ -88,13 +92,24 @@ def live_by_class(named: dict[str, Any], extra: dict[str, int] | None = None) ->
     return per_device[busiest], sum(rest.values())
 
 
+class NoMemoryAnalysis(RuntimeError):
+    """The backend compiled a program but cannot say how many temp bytes it uses."""
+
+
 def temp_bytes(fn, *args) -> int:
-    """XLA's temp (scratch) bytes of the jitted ``fn`` compiled for ``args`` (compilation is cached)."""
+    """XLA's temp (scratch) bytes of the jitted ``fn`` compiled for ``args`` (compilation is cached).
+
+    Raises ``NoMemoryAnalysis`` where the backend has no memory analysis (``Compiled.memory_analysis``
+    returns None, or raises ``NotImplementedError`` as JAX documents it may); any other error (a bad
+    argument, a failed compile) propagates."""
+    compiled = fn.lower(*args).compile()
     try:
-        analysis = fn.lower(*args).compile().memory_analysis()
-    except Exception:  # noqa: BLE001 - backends without memory analysis
-        return 0
-    return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
+        analysis = compiled.memory_analysis()
+    except NotImplementedError as e:
+        raise NoMemoryAnalysis(f"{type(e).__name__}: {e}") from e
+    if analysis is None or getattr(analysis, "temp_size_in_bytes", None) is None:
+        raise NoMemoryAnalysis(f"memory_analysis() returned {analysis!r}")
+    return int(analysis.temp_size_in_bytes)
 
 
 @dataclasses.dataclass
@@ -118,6 +133,7 @@ class MemoryMeter:
         self.engine_bytes = engine_bytes or (lambda: 0)
         self._temps: dict[tuple, int] = {}
         self._phases: dict[str, PhaseRecord] = {}
+        self._unanalysed: set[str] = set()  # programs whose temp bytes the backend cannot report (warned once)
 
     def _record(self, phase: str) -> PhaseRecord:
         if phase not in PHASES:
@@ -133,13 +149,24 @@ class MemoryMeter:
                 sig = (name, tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a))))
                                    for a in jax.tree.leaves(args)))
                 if sig not in self._temps:
-                    self._temps[sig] = temp_bytes(fn, *args)
+                    self._temps[sig] = self._temp_bytes(fn, name, args)
                 rec = self._record(phase)
                 rec.activations = max(rec.activations, self._temps[sig])
             return fn(*args)
 
         run.lower = fn.lower
         return run
+
+    def _temp_bytes(self, fn, name: str, args) -> int:
+        """The program's temp bytes, or 0 with a warning (once per program) where the backend cannot say."""
+        try:
+            return temp_bytes(fn, *args)
+        except NoMemoryAnalysis as e:
+            if name not in self._unanalysed:
+                self._unanalysed.add(name)
+                warnings.warn(f"memory: no temp bytes for program {name!r} on this backend ({e}); its "
+                              "activations count 0 in the measured peaks", RuntimeWarning, stacklevel=3)
+            return 0
 
     def mark(self, phase: str, **classes) -> None:
         """Snapshot at the end of ``phase``: the arrays the caller holds, by class, plus all other live ones."""
@@ -197,7 +224,7 @@ def undonated_bytes(old: dict) -> int:
     checkpoint's host copy, or a user's numpy view in a notebook. The result is still exact; the
     cost is memory, which this counts.
     """
-    return device_bytes(old)  # donated (deleted) buffers count 0
+    return live_buffer_bytes(old)  # donated (deleted) buffers count 0
 
 
 def peak_row(history: list[dict]) -> dict[str, float]:

@@ -62,17 +62,18 @@ def optimizer_policy(cfg: Config, lengths: planner.Lengths, log) -> str:
 
 
 def planned_vs_measured(plan: planner.Plan, measured: dict) -> dict:
-    """Per phase: the planned peak of what JAX can see (the torch engine's KV cache and working set
-    excluded: measured on GPU by the backend's stats, not on CPU), the measured peak, and their ratio."""
+    """Per phase: the planned peak of what the meter measures (JAX's buffers and the engine's rebuilt weights;
+    the torch engine's KV cache and working set excluded: measured on GPU by the backend's stats, not on
+    CPU), the measured peak, and their ratio."""
     out = {}
     for phase in plan.layouts["rollplex"]:
         key = f"memory/{phase}_peak_bytes"
         if key not in measured:
             continue
-        planned = plan.jax_bytes("rollplex", phase)
+        planned = plan.metered_bytes("rollplex", phase)
         out[phase] = {"planned_bytes": planned, "measured_bytes": int(measured[key]),
                       "planned_over_measured": round(planned / max(measured[key], 1.0), 4),
-                      "planned_torch_bytes": plan.peak("rollplex", phase) - planned}
+                      "planned_unmetered_bytes": plan.peak("rollplex", phase) - planned}  # engine KV + working set
     return out
 
 

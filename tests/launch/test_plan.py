@@ -114,6 +114,30 @@ def test_param_counts_equal_the_real_model(size):
     assert p.layouts["naive_colocation"]["train"]["compute_weights"] == real * 2  # one device, bf16
 
 
+# --- per device on a mesh ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fsdp,tp", [(2, 2), (1, 4), (4, 1)])
+def test_planned_weights_per_device_are_the_placed_shards(fsdp, tp):
+    """The plan's weights, gradients and Adam moments per device are the bytes the sharding rules place on a
+    device of the mesh: a dimension a mesh axis does not divide stays whole (the tiny model's kv heads on tp 4,
+    its norms and biases everywhere), so a device holds more than 1 / (fsdp tp) of the model (the plan used
+    to divide by the device count, and the moments by every device)."""
+    from rollplex_jax.config import MeshConfig
+    from rollplex_jax.parallel import mesh as mesh_lib
+
+    cfg = _cfg("tiny_cpu.flags", f"--train_fsdp={fsdp}", f"--train_tp={tp}")
+    mesh = mesh_lib.train_mesh(MeshConfig(train_fsdp=fsdp, train_tp=tp))
+    shapes = param_shapes(cfg.model)
+    placed = 0
+    for name, sharding in mesh_lib.param_shardings(cfg.model, mesh).items():
+        placed += math.prod(sharding.shard_shape(shapes[name].shape)) * shapes[name].dtype.itemsize
+    lengths = planner.Lengths(prompt_tokens=17, vision_tokens=4, response_tokens=3)
+    train = planner.plan(cfg, lengths, optimizer_policy="resident").layouts["rollplex"]["train"]
+    assert train["compute_weights"] == train["gradients"] == placed
+    assert placed > count_params(shapes) * 4 / (fsdp * tp)
+    assert abs(train["optimizer_state"] - 2 * placed) <= 64  # two fp32 moments in the params' layout (+ counters)
+
+
 # --- flagfiles ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flagfile", NEW_FLAGFILES)
@@ -182,6 +206,23 @@ def test_cli_json_format_and_overrides():
         == (1024, 256, 128)
     bad = _run_plan("--flagfile=configs/qwen2_5_vl_7b_8dev.flags", "--plan_devices=12")
     assert bad.returncode != 0 and "multiple of" in bad.stderr
+
+
+def test_cli_compile_on_a_mesh_needs_no_xla_flags(tmp_path):
+    """README's ``launch.plan --flagfile=<a multi-device flagfile> --compile`` as written: XLA_FLAGS absent, the
+    CLI gives JAX the fake CPU devices itself (it used to fail: "compiling for 2 devices needs as many visible
+    ones"), and the programs compile sharded over them."""
+    flagfile = tmp_path / "tiny_2dev.flags"
+    flagfile.write_text(f"--flagfile={REPO / 'configs' / 'tiny_cpu.flags'}\n--train_fsdp=2\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "launch.plan", f"--flagfile={flagfile}", "--compile", "--format=json"],
+                       cwd=REPO, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 2 and set(out["planned_vs_compiled"]) == set(PHASES)
+    assert all(v["total_bytes"] > 0 for v in out["compiled"].values())
+    weights = out["compiled_phases"]["train"]["live_bytes"]["compute_weights"]
+    assert weights < 0.6 * out["params"]["total"] * 4  # float32 params split over the 2 devices
 
 
 # --- policies and budgets -------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def test_chunked_and_offloaded_updates_equal_the_unchunked_one(params):
     # Between updates the offloaded state is in host memory: no device bytes at all.
     kinds = {a.sharding.memory_kind for a in jax.tree.leaves(state)}
     assert kinds == {"pinned_host"}
-    assert meter_lib.device_bytes(state) == 0
+    assert meter_lib.live_buffer_bytes(state) == 0
 
 
 def test_matches_optax_adamw_with_global_clipping(params):

@@ -43,32 +43,27 @@ Transient working sets (phase-local temporaries):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from rollplex_jax.config import ModelConfig
-from rollplex_jax.memory.planner.types import DENSE_PROGRAMS, F32, ProgramModel, dtype_bytes
+from rollplex_jax.memory.planner.types import DENSE_PROGRAMS, F32, ProgramModel, dtype_bytes, split_dim
 
 # Layer working sets a backward step holds beside the saved activations (see the module doc).
 BWD_FACTOR = 1
 
 
-def _split(n: int, tp: int) -> int:
-    """Per-device size of a dimension tensor parallelism splits: n / tp, or n where tp does not divide it
-    (``mesh.partition_spec`` leaves such a dimension whole)."""
-    return n // tp if tp > 1 and n % tp == 0 else n
-
-
 def tp_widths(m: ModelConfig, tp: int = 1) -> tuple[int, int, int, int, int]:
     """Per-device (D, F, H, K, d) of a decoder layer on a tp group: heads and MLP width split, D whole."""
     x = m.text
-    return (x.hidden_size, _split(x.intermediate_size, tp), _split(x.num_attention_heads, tp),
-            _split(x.num_key_value_heads, tp), x.head_dim)
+    return (x.hidden_size, split_dim(x.intermediate_size, tp), split_dim(x.num_attention_heads, tp),
+            split_dim(x.num_key_value_heads, tp), x.head_dim)
 
 
 def tp_vision_widths(m: ModelConfig, tp: int = 1) -> tuple[int, int, int, int]:
     """Per-device (dv, Fv, hv, dh) of a vision block on a tp group."""
     v = m.vision
-    return v.hidden_size, _split(v.intermediate_size, tp), _split(v.num_heads, tp), v.head_dim
+    return v.hidden_size, split_dim(v.intermediate_size, tp), split_dim(v.num_heads, tp), v.head_dim
 
 
 def layer_saved(m: ModelConfig, r: int, t: int, tk: int, pm: ProgramModel, tp: int = 1) -> float:
@@ -134,12 +129,24 @@ def _vision_const(m: ModelConfig, n: int) -> float:
             + 2 * (n // unit) * 4 + dv * b)
 
 
-def saved_activations(m: ModelConfig, r: int, t: int, tk: int, n: int, pm: ProgramModel,
-                      text_const: bool = True, per_image: int | None = None, tp: int = 1) -> float:
-    """Saved activations of a forward (for its backward) over r rows x t tokens (tk keys) and n patches,
-    whole model, on one device of a tp group."""
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """What one forward covers on one device: ``rows`` of ``tokens`` attending ``keys`` keys, and ``patches``
+    vision patches of images of ``per_image`` patches each (None: patches / rows)."""
+
+    rows: float
+    tokens: int
+    keys: int
+    patches: float = 0
+    per_image: int | None = None
+
+
+def saved_activations(m: ModelConfig, fwd: Pass, pm: ProgramModel, tp: int = 1, text_const: bool = True) -> float:
+    """Saved activations of a forward (for its backward) over ``fwd``'s rows, tokens, keys and patches, whole
+    model, on one device of a tp group."""
     L, dd, d, b = m.text.num_hidden_layers, m.text.hidden_size, m.text.head_dim, dtype_bytes(m)
     v = m.vision
+    r, t, tk, n, per_image = fwd.rows, fwd.tokens, fwd.keys, fwd.patches, fwd.per_image
     if pm.remat in ("none", "dots"):  # dots: planned as no remat (an upper bound)
         out = L * layer_saved(m, r, t, tk, pm, tp)
         if n:
@@ -191,7 +198,7 @@ def prefix_residual_bytes(m: ModelConfig, rows: int, prompt_tokens: int, vision_
     unit = m.vision.spatial_merge_size**2
     vision = vision and vision_tokens > 0  # no patches: the vision tower does not run
     n = rows * vision_tokens * unit if vision else 0
-    return saved_activations(m, rows, prompt_tokens, prompt_tokens, n, pm, tp=tp)
+    return saved_activations(m, Pass(rows, prompt_tokens, prompt_tokens, n), pm, tp=tp)
 
 
 def backward_carry(m: ModelConfig, tokens: float, patches: float, tp: int = 1) -> float:

@@ -40,7 +40,8 @@ import math
 
 from rollplex_jax.config import Config
 from rollplex_jax.memory.classes import CLASSES, PHASES
-from rollplex_jax.memory.planner.layouts import naive_activations, shared_sizes
+from rollplex_jax.memory.planner.layouts import naive_activations
+from rollplex_jax.memory.planner.sizes import shared_sizes
 from rollplex_jax.memory.planner.types import DEFAULT_PROGRAMS, F32, GiB, Lengths, PlanMesh, ProgramModel, dtype_bytes
 
 BASELINES = ("megatron_vllm",)

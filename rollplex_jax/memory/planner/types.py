@@ -20,12 +20,13 @@ program model:
     the programs lay it out (no sequence parallelism; ``activations.tp_widths``). HYPOTHETICAL for dp > 1
     (``--plan_devices`` above ``fsdp * tp``): the runtime's training mesh has no data-parallel axis beyond
     fsdp; the assumptions say so when it applies;
-  - compute weights (``cfg.model.dtype``), gradients (same dtype as the params) and reference weights
-    are sharded over ``fsdp * tp``; the reference is skipped entirely when it is not used
-    (``cfg.rl.uses_reference``: no KL in the objective and no ``--log_kl``);
-  - fp32 master weights (only when the dtype is not float32) and Adam's two fp32 moments are sharded
-    over all ``D`` devices (distributed optimizer / ZeRO-1, as Megatron's distributed optimizer);
-    moments cover trainable params only (not the vision tower with ``--freeze_vision``);
+  - compute weights (``cfg.model.dtype``), gradients (same dtype as the params), reference weights, fp32
+    master weights (only when the dtype is not float32) and Adam's two fp32 moments: each parameter's
+    shard on the fsdp x tp mesh (``shards``: a dimension a mesh axis does not divide stays whole; the
+    optimizer state has the params' layout), master weights and moments also / dp over data-parallel
+    replicas (HYPOTHETICAL, as Megatron's distributed optimizer); the reference is skipped entirely when it
+    is not used (``cfg.rl.uses_reference``: no KL in the objective and no ``--log_kl``); moments cover
+    trainable params only (not the vision tower with ``--freeze_vision``);
   - the rollout engine runs ``D / rollout_tp`` replicas; each decodes
     ``rows = min(B * G / (D / rollout_tp), rollout.max_batch)`` sequences at once.
 - ``ParamCounts`` / ``param_counts``: the real model's parameter counts (``params.param_shapes``).
@@ -177,6 +178,13 @@ def param_counts(cfg: Config) -> ParamCounts:
     return model_param_counts(cfg.model, cfg.optim.freeze_vision)
 
 
+def split_dim(n: float, degree: int) -> float:
+    """Per-device size of a dimension of size ``n`` split over a mesh axis of ``degree`` devices: n / degree, or
+    n where the axis does not divide it (``parallel.mesh.partition_spec`` and GSPMD leave such a dimension
+    whole: replicated over that axis)."""
+    return n // degree if degree > 1 and n % degree == 0 else n
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanMesh:
     """Devices planned for and how training and rollout divide them (see the module doc)."""
@@ -242,6 +250,12 @@ class Plan:
         torch_side = (classes.get("rollout_kv", 0) + classes.get("rollout_weights", 0)  # engine-owned (torch)
                       + (self.details["engine_activation_bytes"] if phase == "rollout" else 0))
         return int(sum(classes.values()) - torch_side)
+
+    def metered_bytes(self, layout: str, phase: str) -> int:
+        """The phase's planned bytes that ``memory.MemoryMeter`` measures: the JAX-side bytes and the torch
+        engine's own (rebuilt) weight buffers, which the meter counts as ``rollout_weights``; without the
+        engine's KV cache and working set (torch allocates them inside ``generate``, unseen on CPU)."""
+        return self.jax_bytes(layout, phase) + int(self.layouts[layout][phase].get("rollout_weights", 0))
 
     def peak_phase(self, layout: str) -> str:
         return max(PHASES, key=lambda p: self.peak(layout, p))

@@ -1,0 +1,136 @@
+"""The rollplex layout: what our runtime holds on one device, phase by phase and class by class.
+
+``rollplex(cfg, lengths, mesh, programs, sizes, policy)``; the figures' definitions are in the ``layouts``
+module doc, the row counts in ``rows``, the per-layer formulas in ``activations``, the shards and gathered
+weights in ``shards``. Each phase's figure is that of its fullest moment, each class at its largest in it,
+except ``train`` with several mini-batches, whose two moments differ in what they hold:
+
+- the first mini-batch (``train_first``): the actor boundary state and (residual path) the kept residuals,
+  the suffix micro-batches' and the prefix vjp's working sets and the boundary cotangents, the inputs of
+  the rows the prefix programs took;
+- a later one (``train_later``, recomputing its prefix under the updated params): no boundary state, the
+  recomputing gradient program's working set, the inputs of every row subset the step cached by then.
+
+The train phase is the larger of the two (a meter's snapshot sees one moment, not a mix of both).
+"""
+
+from __future__ import annotations
+
+from rollplex_jax.config import Config, ModelConfig
+from rollplex_jax.memory.classes import CLASSES, PHASES
+from rollplex_jax.memory.planner import rows
+from rollplex_jax.memory.planner.activations import (
+    BWD_FACTOR,
+    Pass,
+    backward_carry,
+    block_temp,
+    layer_temp,
+    one_layer_saved,
+    prefix_residual_bytes,
+    saved_activations,
+)
+from rollplex_jax.memory.planner.sizes import Sizes
+from rollplex_jax.memory.planner.types import F32, Lengths, PlanMesh, ProgramModel, dtype_bytes, split_dim
+
+
+def prefix_rows(cfg: Config, mesh: PlanMesh) -> float:
+    """Prefix rows per device (all of the step's, as the prefix forward and the reference take them)."""
+    return rows.per_device(rows.prefix_rows_total(cfg), mesh)
+
+
+def _kv_row(m: ModelConfig, Tp: int, tp: int) -> float:
+    """Boundary state of one prefix row on a device: k and v [L, Tp, K, d] (kv heads split over tp where it
+    divides them) in the dtype, and the last logits [V] in fp32 (the vocabulary split likewise)."""
+    x = m.text
+    return (x.num_hidden_layers * Tp * 2 * split_dim(x.num_key_value_heads, tp) * x.head_dim * dtype_bytes(m)
+            + split_dim(x.vocab_size, tp) * F32)
+
+
+def _prefix_backward(m: ModelConfig, r: float, Tp: int, patches: float, pm: ProgramModel, tp: int) -> float:
+    """Working set of the prefix's backward over r rows and their patches: a text layer's and a vision block's
+    together (measured with aot at scale_cpu: its temp is about the sum of the two, not the larger one), what
+    the recomputed layer saves, and the per-layer carry."""
+    n = r * patches
+    return (BWD_FACTOR * (layer_temp(m, r, Tp, Tp, pm, tp) + block_temp(m, n, pm, patches, tp))
+            + one_layer_saved(m, r, Tp, Tp, n, pm, tp) + backward_carry(m, r * Tp, n, tp))
+
+
+def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s: Sizes) -> dict:
+    """Boundary state, residuals and each phase's (or train moment's) working set, by name (bytes)."""
+    m = cfg.model
+    x, v, b = m.text, m.vision, dtype_bytes(m)
+    Tp, Tv, Tr, tp = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens, mesh.tp
+    vision_in_prefix = not cfg.optim.freeze_vision
+    patches = Tv * v.spatial_merge_size**2 if vision_in_prefix else 0
+    Bp, nv = prefix_rows(cfg, mesh), prefix_rows(cfg, mesh) * patches
+    residuals = cfg.run.actor_prefix == "residuals"
+    # The residual path keeps the vjp residuals of the first mini-batch's prefix rows and runs their vjp once
+    # after the micro-batches; the recompute path recomputes each micro-batch's own prefix rows.
+    parts = [rows.per_device(p1 - p0, mesh) for p0, p1 in rows.actor_parts(cfg)]
+    res_rows = parts[0]
+    mb_rows = rows.per_device(max(1, cfg.rl.micro_batch // rows.answers_per_row(cfg)), mesh)
+    prefix_fwd = (2 * Bp * Tp * x.hidden_size * b
+                  + max(layer_temp(m, Bp, Tp, Tp, pm, tp), block_temp(m, nv, pm, Tv * v.spatial_merge_size**2, tp)
+                        + 2 * nv * v.hidden_size * b))
+    r_s = rows.micro_batch_rows(cfg, mesh)  # answer rows per micro-batch per device
+    # scoring: the fp32 logits and one fp32 temporary per logit (log-softmax fused; measured with aot)
+    suffix_score = (2 * r_s * Tr * x.hidden_size * b + layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)
+                    + r_s * s.logits_row * Tr * 2 * F32)
+    suffix_train = (saved_activations(m, Pass(r_s, Tr, Tp + Tr), pm, tp)
+                    + BWD_FACTOR * layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)
+                    + one_layer_saved(m, r_s, Tr, Tp + Tr, 0, pm, tp)
+                    + r_s * s.logits_row * Tr * (2 * F32 + b + 2 * F32))
+    recompute = (saved_activations(m, Pass(mb_rows, Tp, Tp, mb_rows * patches, patches or None), pm, tp)
+                 + max(suffix_train, _prefix_backward(m, mb_rows, Tp, patches, pm, tp)))
+    kv_row = _kv_row(m, Tp, tp)
+    # every gradient program also holds one gradient-sized buffer (the micro-batch's, or the prefix part's,
+    # before it is added to the accumulator) and the FSDP-gathered weights (``shards``)
+    grad_extra = s.compute + s.gathered.all
+    # the boundary cotangents accumulated over the micro-batches (residual path: its rows' k, v, last)
+    first = (max(suffix_train, _prefix_backward(m, res_rows, Tp, patches, pm, tp)) + res_rows * kv_row
+             if residuals else recompute)
+    # the actor suffix's log-probs: the reference's (scoring), and theta_k's for the old log-probs of several
+    # mini-batches (the meter counts that program's temp in the score phase wherever it runs)
+    suffix_logp = cfg.rl.uses_reference or cfg.rl.mini_batches > 1
+    return {
+        "actor_kv": sum(parts) * kv_row,
+        "ref_kv": Bp * kv_row if cfg.rl.uses_reference else 0.0,
+        "prefix_res": prefix_residual_bytes(m, res_rows, Tp, Tv, pm, tp=tp, vision=vision_in_prefix)
+        if residuals else 0.0,
+        "rollout": s.engine_tmp + prefix_fwd + s.gathered.forward,
+        "score": suffix_score + s.gathered.text_forward if suffix_logp else 0.0,
+        "train_first": first + grad_extra,
+        "train_later": recompute + grad_extra if residuals and cfg.rl.mini_batches > 1 else None,
+        "emb": 0.0 if vision_in_prefix else Bp * Tv * x.hidden_size * b,
+    }
+
+
+def rollplex(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s: Sizes, policy: str) -> dict:
+    """{phase: {class: bytes}} of what our runtime does under the config and optimizer ``policy``."""
+    a = _working_sets(cfg, lengths, mesh, pm, s)
+    offload = policy == "offload"
+    chunks = cfg.memory.optimizer_chunks
+    at_dispatch, by_the_end = rows.input_copies(cfg)
+    copies = {"rollout": at_dispatch, "score": at_dispatch, "train": by_the_end, "update": by_the_end}
+    rp = {p: dict.fromkeys(CLASSES, 0.0) for p in PHASES}
+    for p in PHASES:
+        c = rp[p]
+        c.update(compute_weights=s.compute, ref_weights=s.ref, rollout_weights=s.rebuilt,
+                 other=(s.inputs_rollplex + a["emb"]) * copies[p] + s.rollouts)
+        on = (not offload) or p == "update"
+        c["master_weights"] = (s.master / chunks if offload else s.master) if on else 0.0
+        c["optimizer_state"] = (s.moments / chunks if offload else s.moments) if on else 0.0
+    rp["rollout"]["rollout_kv"] = s.rollout_kv
+    for p in ("rollout", "score", "train"):
+        rp[p]["boundary_kv"] = a["actor_kv"] + (a["ref_kv"] if p != "train" else 0.0)  # the reference's: to scoring
+        rp[p]["prefix_residuals"] = a["prefix_res"]
+    rp["rollout"]["activations"], rp["score"]["activations"] = a["rollout"], a["score"]
+    rp["train"].update(gradients=s.compute, activations=a["train_first"])
+    if a["train_later"] is not None:  # the train phase's two moments (module doc): the fuller one
+        first = dict(rp["train"], other=(s.inputs_rollplex + a["emb"]) * at_dispatch + s.rollouts)
+        later = dict(rp["train"], boundary_kv=0.0, prefix_residuals=0.0, activations=a["train_later"])
+        rp["train"] = max(first, later, key=lambda c: sum(c.values()))
+    rp["update"]["gradients"] = 2 * s.compute  # the accumulated gradients and their clipped copy
+    # the fp32 AdamW temporaries: one chunk's when offloaded, the whole shard's when resident
+    rp["update"]["activations"] = 2 * s.opt_elems * F32 / (chunks if offload else 1)
+    return rp
