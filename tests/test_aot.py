@@ -55,8 +55,9 @@ def test_every_program_of_a_step_compiles_and_reports_bytes(schedule):
         x, logp = reads(A.inputs(rows, 24, 4, tr)), rows * tr * 4
         assert pr["ref_logprobs"].argument == P + x + 2 * rows * tr * 4 + 4  # + answer ids and mask, prompt length
         assert pr["ref_logprobs"].output == logp  # fp32 log-probs [128, 3]
-        # + answer ids, token weights, advantages [128], reference log-probs
-        assert pr["grad"].argument == P + x + 3 * logp + rows * 4 + 4
+        # + answer ids, token weights, advantages [128], reference log-probs, the engine's log-probs (for
+        # rollout/logprob_abs_diff_*, summed inside the gradient program)
+        assert pr["grad"].argument == P + x + 4 * logp + rows * 4 + 4
         assert P < pr["grad"].output <= P + 1024  # the gradients + the loss and its metric scalars
         # the score phase holds, beside the reference program, the actor's weights and its Adam state
         assert c.phase_bytes["score"] == pr["ref_logprobs"].total + P + opt

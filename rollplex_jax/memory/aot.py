@@ -299,7 +299,8 @@ def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int 
         grads = A.params
         other = ph.live["train"].get("other", 0)  # the step's inputs live until the step ends (after its update)
         _update_phase(ph, progs.optimizer, A.params, opt, grads,
-                      dict(base, **({} if offload else resident), other=other, gradients=abstract_shard_bytes(grads)), offload)
+                      dict(base, **({} if offload else resident), other=other,
+                           gradients=abstract_shard_bytes(grads)), offload)
     return ph.result()
 
 
