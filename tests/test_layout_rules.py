@@ -9,7 +9,8 @@
   simulator, memory, weight sharing, programs, devices and processes, models, RL math, data, config, then the
   few modules kept at the top): a module imports only its own part or parts below it, so ``models/`` knows no
   RL, ``rl/`` no model, nothing below ``run/`` the loop; at most 6 modules sit directly in ``rollplex_jax/``;
-- livable modules: every module opens with a docstring, no function is over 80 lines, no file over 500.
+- livable modules: every module opens with a docstring, no function is over 80 lines or takes more than 8
+  parameters (``self``/``cls`` not counted, ``*args``/``**kwargs`` counted once each), no file over 500 lines.
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ def test_importing_rollout_torch_loads_no_jax():
     assert not _imports(vllm) & {"jax", "rollplex_jax", "launch"}
 
 
+def _parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = node.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg not in ("self", "cls")]
+    return len(names) + (a.vararg is not None) + (a.kwarg is not None)
+
+
 def test_modules_are_livable():
     problems = []
     for package in PACKAGES:
@@ -124,4 +131,6 @@ def test_modules_are_livable():
                     n = node.end_lineno - node.lineno + 1
                     if n > 80:
                         problems.append(f"{name}:{node.lineno} {node.name}: {n} lines > 80")
+                    if (k := _parameter_count(node)) > 8:
+                        problems.append(f"{name}:{node.lineno} {node.name}: {k} parameters > 8")
     assert not problems, "\n".join(problems)
