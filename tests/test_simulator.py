@@ -129,19 +129,20 @@ def _xla_phases(cfg, lengths) -> dict[str, ProgramCost]:
     import jax.numpy as jnp
 
     from rollplex_jax.memory import aot
-    from rollplex_jax.programs.actor import make_programs
-    from rollplex_jax.programs.split import make_split_programs
+    from rollplex_jax.programs.actor import Answers, make_programs
+    from rollplex_jax.programs.split import BoundaryRows, make_split_programs
 
     Tp, Tv, Tr = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens
     A, B, G = aot.Abstract(cfg), cfg.rl.batch_prompts, cfg.rollout.group_size
     P, R, f32 = A.params, B * G, jnp.float32
     assert cfg.rl.micro_batch >= R and cfg.rl.mini_batches == 1 and cfg.rl.uses_reference
-    serial = make_programs(cfg.model, cfg.rl, cfg.optim, 1, prog=cfg.programs)
-    sp = make_split_programs(cfg.model, cfg.rl, cfg.programs)
+    temp = cfg.rollout.temperature
+    serial = make_programs(cfg.model, cfg.rl, cfg.optim, 1, prog=cfg.programs, temperature=temp)
+    sp = make_split_programs(cfg.model, cfg.rl, cfg.programs, temperature=temp)
     full, ids = A.inputs(R, Tp, Tv, Tr), A.array((R, Tr), jnp.int32)
+    answers = Answers(ids=ids, weights=A.array((R, Tr), f32), advantages=A.array((R,), f32), ref=A.array((R, Tr), f32))
     out = {"serial/reference": program_costs(serial.ref_logprobs, P, full, Tp, ids, ids),
-           "serial/actor": program_costs(serial.grad, P, full, Tp, ids, A.array((R, Tr), f32), A.array((R,), f32),
-                                         None, A.array((R, Tr), f32))}
+           "serial/actor": program_costs(serial.grad, P, full, Tp, answers)}
     prompts, emb, vision = A.inputs(B, Tp, Tv, 0), None, ZERO
     if cfg.optim.freeze_vision:
         vision = program_costs(sp.vision, P, prompts)
@@ -150,11 +151,11 @@ def _xla_phases(cfg, lengths) -> dict[str, ProgramCost]:
     out["rollplex/ref_prefix"] = program_costs(sp.prefix, P, prompts, emb)
     k, v, last, kept = jax.eval_shape(sp.actor_prefix.program, P, prompts, emb)
     mask, pos, rids = A.array((B, Tp), bool), A.array((B,), jnp.int32), A.array((B, G, Tr), jnp.int32)
-    out["rollplex/reference"] = program_costs(sp.suffix_logp, B, P, k, v, last, mask, pos, 0, rids,
-                                              A.array((B, G, Tr), bool))
+    rows = BoundaryRows(k, v, last, mask, pos)
+    out["rollplex/reference"] = program_costs(sp.suffix_logp, B, P, rows, 0, rids, A.array((B, G, Tr), bool))
     w = A.array((B, G, Tr), f32)
-    out["rollplex/actor"] = program_costs(sp.suffix_grads, B, P, k, v, last, mask, pos, 0, rids, w,
-                                          A.array((B, G), f32), None, w) \
+    out["rollplex/actor"] = program_costs(sp.suffix_grads, B, P, rows, 0,
+                                          Answers(ids=rids, weights=w, advantages=A.array((B, G), f32), ref=w)) \
         + program_costs(sp.prefix_vjp, sp.actor_prefix.meta(P, prompts, emb), P, kept, k, v, last)
     return out
 

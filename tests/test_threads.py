@@ -37,7 +37,8 @@ def test_make_engine_sets_torch_threads(monkeypatch, restore_threads, given, cor
     monkeypatch.setattr(threads, "usable_cores", lambda: cores)
     cfg = Config()
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, torch_threads=given, engine=engine))
-    assert run_setup.make_engine(cfg) is built
+    engine = run_setup.make_engine(cfg)
+    assert engine.inner is built  # behind the rollout deadline (--rollout_timeout_s, on by default)
     assert torch.get_num_threads() == expected
 
 

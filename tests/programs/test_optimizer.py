@@ -12,7 +12,7 @@ from rollplex_jax.models.qwen2_5_vl.params import init_params
 from rollplex_jax.parallel import memory_kinds
 from rollplex_jax.programs.optimizer import ChunkedOptimizer, chunk_names
 
-OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.5)
+OPTIM = OptimConfig(lr=1e-2, weight_decay=0.01, grad_clip=0.5, lr_schedule="cosine")  # as the optax oracle
 
 
 def _grads(params, i):
