@@ -62,12 +62,19 @@ def train_mesh(m: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Me
 def partition_spec(shape: Sequence[int], logical: Sequence[str | None], mesh: Mesh,
                    rules: Mapping[str, str | None] = TRAIN_RULES) -> PartitionSpec:
     """Mesh axis per dimension; a dimension the mesh axis does not divide (or of size-1 axis) stays whole."""
+    return spec_for_sizes(shape, logical, mesh.shape, rules)
+
+
+def spec_for_sizes(shape: Sequence[int], logical: Sequence[str | None], sizes: Mapping[str, int],
+                   rules: Mapping[str, str | None] = TRAIN_RULES) -> PartitionSpec:
+    """``partition_spec`` from the mesh's axis sizes alone (no devices: the planner and the sharing
+    classification lay out meshes larger than the machine)."""
     out = []
     for dim, name in zip(shape, logical, strict=True):
         axis = rules.get(name) if name is not None else None
         if name is not None and name not in rules:
             raise KeyError(f"logical axis {name!r} has no sharding rule (mesh.TRAIN_RULES)")
-        size = mesh.shape[axis] if axis is not None else 1
+        size = sizes[axis] if axis is not None else 1
         out.append(axis if size > 1 and dim % size == 0 else None)
     return PartitionSpec(*out)
 

@@ -82,7 +82,7 @@ def response_logits(params, cfg: ModelConfig, inputs: ModelInputs, prompt_len, n
 
 def _logprobs(spec: Spec, params, inputs, prompt_len, response_ids, response_mask):
     logits = response_logits(params, spec.model, inputs, prompt_len, response_ids.shape[1], spec.prog)
-    return gather_logprobs(logits, response_ids, response_mask, spec.temperature)
+    return gather_logprobs(logits / spec.temperature, response_ids, response_mask)
 
 
 def mismatch_sums(logp, engine, mask) -> dict[str, jax.Array]:

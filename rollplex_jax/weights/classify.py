@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -275,25 +275,20 @@ def classify(layout: str | Sequence[EngineTensor], train: TrainShards, rollout_t
 def plan_sharing(cfg: ModelConfig, mesh: MeshConfig, layout: str | None = None, engine: str = "hf",
                  positions: Sequence[int] | None = None, placement: str = "blocked") -> SharingPlan:
     """The classification for a training mesh (fsdp x tp, TRAIN_RULES) and rollout TP, without devices."""
-    from rollplex_jax.parallel.mesh import AXES, partition_spec
+    from rollplex_jax.parallel.mesh import AXES, spec_for_sizes
 
     mesh_shape = {"fsdp": mesh.train_fsdp, "tp": mesh.train_tp}
-    fake = _MeshShape(mesh_shape)
     specs = param_specs(cfg)
     coords = [dict(zip(AXES, map(int, np.unravel_index(p, tuple(mesh_shape[a] for a in AXES))), strict=True))
               for p in range(mesh.train_devices)]
     boxes = {}
     for name, (shape, axes) in specs.items():
-        spec = partition_spec(shape, axes, fake)
+        spec = spec_for_sizes(shape, axes, mesh_shape)
         boxes[name] = [shard_box(shape, spec, mesh_shape, c) for c in coords]
     layout = layout or layout_for(engine, mesh.rollout_tp)
     train = TrainShards({k: s for k, (s, _) in specs.items()}, boxes, np.dtype(cfg.dtype).itemsize, mesh_shape)
     plan = classify(layout, train, mesh.rollout_tp, positions=positions, cfg=cfg, placement=placement)
     return dataclasses.replace(plan, held={k: tuple(map(box_size, b)) for k, b in boxes.items()})
-
-
-class _MeshShape(NamedTuple):
-    shape: dict[str, int]
 
 
 # --- JAX arrays -> what the torch binder reads ---------------------------------------------------------

@@ -1,7 +1,7 @@
 """What one device holds of the parameters on the fsdp x tp training mesh, and what FSDP gathers on top.
 
 Per device (``model_shard_counts``): each parameter's shard under the sharding rules
-(``parallel.mesh.partition_spec``), summed. A dimension a mesh axis does not divide stays whole (e.g. a
+(``parallel.mesh.spec_for_sizes``), summed. A dimension a mesh axis does not divide stays whole (e.g. a
 kv-head count or vocabulary tp does not divide, every norm and bias), so a mesh of ``fsdp x tp`` devices
 holds more than 1 / (fsdp tp) of the model per device (tiny demo model: 0.32 of it on fsdp 2 x tp 2, 0.44
 on tp 4). Every device holds the same: the rules split a dimension evenly or not at all.
@@ -55,16 +55,13 @@ class Gathered:
 
 def _shards(model: ModelConfig, fsdp: int, tp: int) -> dict[str, int]:
     """Elements per device of every parameter (``partition_spec``: an undivided dimension stays whole)."""
-    from types import SimpleNamespace
-
     from rollplex_jax.models.qwen2_5_vl.params import param_specs  # here: no jax at import
-    from rollplex_jax.parallel.mesh import partition_spec
+    from rollplex_jax.parallel.mesh import spec_for_sizes
 
     degree = {"fsdp": fsdp, "tp": tp}
-    mesh = SimpleNamespace(shape=degree)  # partition_spec reads only the axis sizes
     out = {}
     for name, (shape, axes) in param_specs(model).items():
-        spec = partition_spec(shape, axes, mesh)
+        spec = spec_for_sizes(shape, axes, degree)
         out[name] = math.prod(d // (degree[a] if a else 1) for d, a in zip(shape, spec, strict=True))
     return out
 

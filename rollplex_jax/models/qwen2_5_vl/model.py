@@ -256,13 +256,10 @@ def suffix_forward(params: dict, cfg: ModelConfig, state: PrefixState, response_
     return lm_logits(params, h, cfg)
 
 
-def gather_logprobs(logits: jax.Array, token_ids: jax.Array, mask: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """Log-probs of ``token_ids`` under ``softmax(logits / temperature)`` ([..., V]; picked), 0 where ``mask`` is 0.
-
-    ``temperature``: the rollout's sampling temperature (static): the trainer's log-probs are those of the
-    distribution the engine sampled from, over the whole vocabulary (top-k / top-p truncation is not applied
-    in training, as in TRL and verl). At 1 the division is exact (x / 1.0 == x)."""
-    logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+def gather_logprobs(logits: jax.Array, token_ids: jax.Array, mask: jax.Array) -> jax.Array:
+    """Log-probs of ``token_ids`` under ``logits`` [..., V] (log-softmax, picked), 0 where ``mask`` is 0. The
+    programs pass logits already divided by the rollout's temperature (``programs.actor.Spec``)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, token_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return jnp.where(mask > 0, picked, 0.0)
 
@@ -276,7 +273,7 @@ def predicting_logits(last_logits: jax.Array, suffix_logits: jax.Array) -> jax.A
 
 
 def suffix_logprobs(last_logits: jax.Array, suffix_logits: jax.Array, response_ids: jax.Array,
-                    response_mask: jax.Array, temperature: float = 1.0) -> jax.Array:
-    """Log-probs [B, N, Tr] of each response token over a shared prefix (0 at padding), under
-    ``softmax(logits / temperature)`` (``gather_logprobs``) of ``predicting_logits``."""
-    return gather_logprobs(predicting_logits(last_logits, suffix_logits), response_ids, response_mask, temperature)
+                    response_mask: jax.Array) -> jax.Array:
+    """Log-probs [B, N, Tr] of each response token over a shared prefix (0 at padding), under its
+    ``predicting_logits``."""
+    return gather_logprobs(predicting_logits(last_logits, suffix_logits), response_ids, response_mask)
