@@ -17,7 +17,7 @@ def serial_phase_rates(runner, phases_s: dict[str, float]) -> dict[str, dict[str
 
     from rollplex_jax.data import dataset as data_lib
     from rollplex_jax.programs.costs import PhasePrograms, serial_phase_costs
-    from rollplex_jax.programs.sequences import micro_batches
+    from rollplex_jax.programs.sequences import input_options, micro_batches
     from rollplex_jax.rl import losses
 
     cfg, ro = runner.cfg, runner.last.rollouts
@@ -28,8 +28,8 @@ def serial_phase_rates(runner, phases_s: dict[str, float]) -> dict[str, dict[str
     state = runner.state
     costs = serial_phase_costs(PhasePrograms.of(cfg), state.params,
                                state.ref_params if use_ref else state.params,
-                               micro_batches(cfg.model, prompts, ro, cfg.rl.micro_batch,
-                                             pack=cfg.programs.packing), weights,
+                               micro_batches(cfg.model, prompts, ro, cfg.rl.micro_batch, opts=input_options(cfg)),
+                               weights,
                                jnp.zeros(b * g, jnp.float32), None,
                                jnp.zeros((b * g, tr), jnp.float32) if use_ref else None)
     out = {}

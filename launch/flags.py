@@ -257,6 +257,10 @@ _HELP = {
     "reward_failure": "On a reward exception/timeout: zero (count it in reward/failures) or raise (stop).",
     "mini_batches": "Optimizer steps per RL step (the batch split in this many mini-batches).",
     "micro_batch": "Sequences per forward/backward (gradient accumulation over micro-batches).",
+    "micro_batch_tokens": "Token budget per device of one scoring / training micro-batch (verl's "
+                          "ppo_max_token_len_per_gpu): each micro-batch holds as many whole sequences as fit this many "
+                          "(bucketed) token slots, so its shape is fixed by the budget, not by the data; 0 = "
+                          "--micro_batch rows. Must be at least --max_prompt_len + --max_new_tokens.",
     "lr": "Peak learning rate.",
     "lr_schedule": "Learning-rate schedule over --steps.",
     "final_lr_frac": "Cosine schedule: final lr as a fraction of --lr.",
@@ -311,6 +315,10 @@ _HELP = {
     "packing": "Padding-free scoring and training: pack the rows' real tokens into fewer rows of the same length "
                "with segment ids (exact: the padded computation up to float summation order) wherever that saves a "
                "row; --nopacking: left-padded rows as the rollout returns them.",
+    "shape_buckets": "STEP:LINEAR_UNTIL:RATIO: the trainer pads prompt and answer lengths, vision patches (masked "
+                     "padding patches) and packed rows up to buckets (multiples of STEP up to LINEAR_UNTIL, then "
+                     "x RATIO steps; counts to powers of two), so data of every size compiles a few programs once "
+                     "instead of new ones every step. 'off': exact shapes.",
     "remat": "Rematerialisation per decoder layer and vision block: layer (keep only each layer's input for the "
              "backward), dots (also the weight matmuls' outputs), none (keep every intermediate).",
 }

@@ -70,12 +70,13 @@ def jax_passes(cfg, params, prompts, rollouts):
     import jax
     import jax.numpy as jnp
 
+    from rollplex_jax.models.qwen2_5_vl.model import InputOptions
     from rollplex_jax.programs.actor import Answers, make_programs
     from rollplex_jax.programs.sequences import micro_batches
     from rollplex_jax.rl import losses
 
     programs = make_programs(cfg.model, cfg.rl, cfg.optim, 1, prog=cfg.programs, temperature=cfg.rollout.temperature)
-    mbs = micro_batches(cfg.model, prompts, rollouts, cfg.rl.micro_batch, pack=cfg.programs.packing)
+    mbs = micro_batches(cfg.model, prompts, rollouts, cfg.rl.micro_batch, opts=InputOptions(pack=cfg.programs.packing))
     mask = jnp.asarray(rollouts.mask.reshape(-1, rollouts.mask.shape[-1]))
     weights = losses.token_weights(mask, cfg.rl.loss_agg)
     adv = jax.random.normal(jax.random.key(1), (weights.shape[0],))  # any advantages: timing, not learning
@@ -102,7 +103,7 @@ def jax_passes(cfg, params, prompts, rollouts):
     def inputs():
         return jax.block_until_ready([mb.inputs for mb in micro_batches(cfg.model, prompts, rollouts,
                                                                          cfg.rl.micro_batch,
-                                                                         pack=cfg.programs.packing)])
+                                                                         opts=InputOptions(pack=cfg.programs.packing))])
 
     calls = {"jax_reference": [(programs.ref_logprobs, (params, mb.inputs, mb.prompt_len, mb.response_ids,
                                                         mb.response_mask)) for mb in mbs],

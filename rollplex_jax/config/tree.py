@@ -17,6 +17,8 @@ import dataclasses
 import json
 
 from rollplex_jax.config.model import ConfigError, ModelConfig, _require
+from rollplex_jax.config.shapes import DEFAULT as DEFAULT_BUCKETS
+from rollplex_jax.config.shapes import Buckets, parse_buckets
 
 ENGINES = ("hf", "vllm")
 SCHEDULES = ("serial", "rollplex")
@@ -193,6 +195,9 @@ class RlConfig:
     reward_kwargs: str = ""  # JSON object of keyword arguments for the reward (EasyR1's reward_function_kwargs)
     mini_batches: int = 1
     micro_batch: int = 64
+    # verl's ppo_max_token_len_per_gpu: each micro-batch holds as many whole sequences as fit this many (bucketed)
+    # token slots per device, instead of ``micro_batch`` rows; 0 = off
+    micro_batch_tokens: int = 0
 
     def __post_init__(self):
         _require(self.batch_prompts > 0, "rl.batch_prompts", self.batch_prompts, "must be > 0")
@@ -217,6 +222,8 @@ class RlConfig:
                  "must be a JSON object of keyword arguments, e.g. '{\"format_weight\": 0.1}'")
         _require(self.mini_batches > 0, "rl.mini_batches", self.mini_batches, "must be > 0")
         _require(self.micro_batch > 0, "rl.micro_batch", self.micro_batch, "must be > 0")
+        _require(self.micro_batch_tokens >= 0, "rl.micro_batch_tokens", self.micro_batch_tokens,
+                 "must be >= 0 (0 = micro-batches of --micro_batch rows)")
 
     @property
     def reward_kwargs_dict(self) -> dict:
@@ -387,17 +394,30 @@ class ProgramConfig:
     backward, ``dots`` also its weight matmuls' outputs, ``none`` every intermediate.
     ``packing``: scoring and training run on the rows' real tokens packed into fewer rows of the same length
     (segment ids; ``models/qwen2_5_vl/packing.py``) wherever that saves a row; ``False``: left-padded rows.
+    ``shape_buckets``: ``STEP:LINEAR_UNTIL:RATIO`` (``config/shapes.py``): prompt and answer lengths, vision
+    patches and packed rows are padded up to a few bucketed sizes, so real data of every size compiles a handful
+    of programs once; ``off``: exact shapes (a new compile for every new shape).
     """
 
     attention: str = "blockwise"
     attention_block: int = 512  # query/key block length of the blockwise kernel
     remat: str = "layer"
     packing: bool = True
+    shape_buckets: str = DEFAULT_BUCKETS
 
     def __post_init__(self):
+        try:
+            parse_buckets(self.shape_buckets)
+        except ValueError as e:
+            raise ConfigError(f"programs.shape_buckets: {e}") from None
         _choice("programs", "attention", self.attention, ATTENTIONS)
         _require(self.attention_block >= 1, "programs.attention_block", self.attention_block, "must be >= 1")
         _choice("programs", "remat", self.remat, REMATS)
+
+    @property
+    def buckets(self) -> Buckets | None:
+        """The parsed ``shape_buckets`` (None: exact shapes)."""
+        return parse_buckets(self.shape_buckets)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -421,6 +441,11 @@ class Config:
             raise ConfigError(f"run.val_every={run.val_every} (val_before_train={run.val_before_train}) needs "
                               f"validation prompts: pass --val_dataset (and --eval_n > 0, now {self.data.eval_n}) or "
                               "train on a synthetic task; or set --val_every=0 --noval_before_train")
+        longest = self.data.max_prompt_len + self.rollout.max_new_tokens
+        _require(self.rl.micro_batch_tokens == 0 or self.rl.micro_batch_tokens >= longest,
+                 "rl.micro_batch_tokens", self.rl.micro_batch_tokens,
+                 f"must hold one whole sequence: at least --max_prompt_len + --max_new_tokens = {longest} "
+                 "(or 0: micro-batches of --micro_batch rows)")
         n_rows = self.rl.batch_prompts * self.rollout.group_size
         _require(self.rl.mini_batches <= n_rows, "rl.mini_batches", self.rl.mini_batches,
                  f"must be <= batch_prompts * group_size = {n_rows}")

@@ -14,7 +14,8 @@ import dataclasses
 import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts, items_per_row
-from rollplex_jax.config import ModelConfig
+from rollplex_jax.config import Config, ModelConfig
+from rollplex_jax.config.shapes import Buckets
 from rollplex_jax.models.qwen2_5_vl.model import InputOptions, ModelInputs, prepare_inputs
 
 
@@ -33,10 +34,11 @@ class MicroBatch:
 
 
 def micro_batches(cfg: ModelConfig, prompts: Prompts, rollouts: Rollouts, micro_batch: int,
-                  rows: slice | None = None, groups: int = 1, pack: bool = False) -> list[MicroBatch]:
+                  rows: slice | None = None, opts: InputOptions | None = None) -> list[MicroBatch]:
     """Splits rows ``rows`` (default all) of the B*G (prompt ++ answer) rows into micro-batches of
-    at most ``micro_batch`` rows (row r = prompt r // G, answer r % G); ``groups``, ``pack`` (each micro-batch's
-    rows packed padding-free where that saves a row, ``--packing``): see ``prepare_inputs``."""
+    at most ``micro_batch`` rows (row r = prompt r // G, answer r % G); ``opts``: groups, packing (each
+    micro-batch's rows packed padding-free where that saves a row, ``--packing``) and shape buckets, see
+    ``prepare_inputs`` (its ``vision_region`` is set here)."""
     b, g, tr = rollouts.response_ids.shape
     spans = _grid_spans(cfg, prompts)
     ids = np.concatenate([np.repeat(prompts.input_ids, g, 0), rollouts.response_ids.reshape(b * g, tr)], 1)
@@ -49,7 +51,7 @@ def micro_batches(cfg: ModelConfig, prompts: Prompts, rollouts: Rollouts, micro_
         r1 = min(r0 + micro_batch, rows.stop)
         pix, sel, secs = _select(prompts, spans, prompt_of_row[r0:r1])
         inputs = prepare_inputs(cfg, ids[r0:r1], mask[r0:r1], pix, *sel, second_per_grid_ts=secs,
-                                opts=InputOptions(vision_region=region[r0:r1], groups=groups, pack=pack))
+                                opts=dataclasses.replace(opts or InputOptions(), vision_region=region[r0:r1]))
         out.append(MicroBatch(slice(r0, r1), inputs, prompts.input_ids.shape[1],
                               rollouts.response_ids.reshape(b * g, tr)[r0:r1], rollouts.mask.reshape(b * g, tr)[r0:r1]))
     return out
@@ -146,3 +148,68 @@ def answer_blocks(p0: int, p1: int, n: int, micro_batch: int) -> list[Block]:
         per = micro_batch // n
         return [Block(r, min(r + per, p1), 0, n) for r in range(p0, p1, per)]
     return [Block(r, r + 1, a, min(a + micro_batch, n)) for r in range(p0, p1) for a in range(0, n, micro_batch)]
+
+
+def pad_prompts(prompts: Prompts, length: int) -> Prompts:
+    """The prompt rows left-padded to ``length`` tokens (shape buckets): positions, outputs and losses are those
+    of the unpadded rows (padding is masked everywhere; tested)."""
+    extra = length - prompts.input_ids.shape[1]
+    if extra <= 0:
+        return prompts
+    return dataclasses.replace(prompts, input_ids=np.pad(prompts.input_ids, ((0, 0), (extra, 0))),
+                               attention_mask=np.pad(prompts.attention_mask, ((0, 0), (extra, 0))))
+
+
+def pad_answers(rollouts: Rollouts, length: int, pad_id: int) -> Rollouts:
+    """The answers right-padded to ``length`` tokens with ``pad_id`` (log-probs 0): the mask (from the lengths)
+    keeps them out of every loss and metric."""
+    extra = length - rollouts.response_ids.shape[-1]
+    if extra <= 0:
+        return rollouts
+    widths = ((0, 0), (0, 0), (0, extra))
+    return dataclasses.replace(rollouts, response_ids=np.pad(rollouts.response_ids, widths, constant_values=pad_id),
+                               logprobs=np.pad(rollouts.logprobs, widths))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """The bucketed lengths a step's programs run at (``--shape_buckets``; None: exact shapes) and the rows of a
+    micro-batch under ``--micro_batch_tokens`` (``micro_batch_tokens`` 0: ``micro_batch`` rows)."""
+
+    buckets: Buckets | None
+    prompt_cap: int
+    answer_cap: int
+    micro_batch: int
+    micro_batch_tokens: int = 0
+
+    def prompt_len(self, n: int) -> int:
+        return n if self.buckets is None else self.buckets.up(n, cap=self.prompt_cap)
+
+    def answer_len(self, n: int) -> int:
+        return n if self.buckets is None else self.buckets.up(n, cap=self.answer_cap)
+
+    def serial_rows(self, length: int) -> int:
+        """Rows (prompt ++ answer, ``length`` slots each) of a serial micro-batch."""
+        return self.micro_batch if not self.micro_batch_tokens else max(1, self.micro_batch_tokens // length)
+
+    def answers(self, prompt_len: int, answer_len: int, n: int) -> int:
+        """Answers of a Rollplex micro-batch: whole prefix rows (``prompt_len`` + ``n`` answers of ``answer_len``
+        each) while the budget holds one, else as many of one row's answers as fit beside its prefix."""
+        if not self.micro_batch_tokens:
+            return self.micro_batch
+        row = prompt_len + n * answer_len
+        if self.micro_batch_tokens >= row:
+            return self.micro_batch_tokens // row * n
+        return max(1, (self.micro_batch_tokens - prompt_len) // answer_len)
+
+
+def step_shapes(cfg: Config) -> StepShapes:
+    """The run's ``StepShapes`` (lengths capped at ``--max_prompt_len`` / ``--max_new_tokens``)."""
+    return StepShapes(cfg.programs.buckets, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, cfg.rl.micro_batch,
+                      cfg.rl.micro_batch_tokens)
+
+
+def input_options(cfg: Config) -> InputOptions:
+    """How the run's scoring and training inputs are laid out: vision groups over ``fsdp``, ``--packing``,
+    ``--shape_buckets``."""
+    return InputOptions(groups=cfg.mesh.train_fsdp, pack=cfg.programs.packing, buckets=cfg.programs.buckets)

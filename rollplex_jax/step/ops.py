@@ -26,7 +26,14 @@ import numpy as np
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
 from rollplex_jax.programs.actor import Answers, Programs
-from rollplex_jax.programs.sequences import micro_batches, mini_batch_rows, row_slots
+from rollplex_jax.programs.sequences import (
+    input_options,
+    micro_batches,
+    mini_batch_rows,
+    pad_prompts,
+    row_slots,
+    step_shapes,
+)
 from rollplex_jax.trace import Tracer
 
 
@@ -95,15 +102,19 @@ class Ops(Protocol):
 
 
 class SerialOps:
-    """Full-sequence scoring and gradients (the baseline): B*G rows of prompt ++ answer."""
+    """Full-sequence scoring and gradients (the baseline): B*G rows of prompt ++ answer (the prompts padded to
+    their length bucket; the answers come padded to theirs, ``rl_step``), in micro-batches of ``--micro_batch``
+    rows or of ``--micro_batch_tokens`` slots."""
 
     def __init__(self, cfg: Config, programs: Programs, ref_params, prompts: Prompts, rollouts: Rollouts,
                  tracer: Tracer, step: int):
-        b, g, _ = rollouts.response_ids.shape
+        b, g, tr = rollouts.response_ids.shape
         self.prog, self.tracer, self.step = programs, tracer, step
+        shapes = step_shapes(cfg)
+        prompts = pad_prompts(prompts, shapes.prompt_len(prompts.input_ids.shape[1]))
+        micro = shapes.serial_rows(prompts.input_ids.shape[1] + tr)
         self.mbs = [mb for rows in mini_batch_rows(b * g, cfg.rl.mini_batches)
-                    for mb in micro_batches(cfg.model, prompts, rollouts, cfg.rl.micro_batch, rows,
-                                              cfg.mesh.train_fsdp, cfg.programs.packing)]
+                    for mb in micro_batches(cfg.model, prompts, rollouts, micro, rows, input_options(cfg))]
         self.ref_params = ref_params
         self.on_live = None  # nothing of its own is live beyond one program call
 

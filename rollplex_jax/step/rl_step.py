@@ -29,7 +29,7 @@ from rollplex_contract.batch import Engine, Prompts, Rollouts, SamplingParams
 from rollplex_jax.config import Config
 from rollplex_jax.parallel.multihost import Processes, gather_rollouts, gather_scores, share
 from rollplex_jax.programs.actor import Programs
-from rollplex_jax.programs.sequences import mini_batch_rows, select_rows
+from rollplex_jax.programs.sequences import mini_batch_rows, pad_answers, select_rows, step_shapes
 from rollplex_jax.rl import advantages as adv_lib
 from rollplex_jax.rl import losses
 from rollplex_jax.rl.rewards import RewardScores
@@ -179,7 +179,8 @@ def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, 
                          run: _Step, during_decode=None) -> _Sampled:
     """G answers per prompt under theta_k (see ``sample``), then their rewards (``RewardScores`` over the B x G
     answers, prompt-major). With several processes each decodes and rewards its share of the prompts, then all
-    gather the whole batch (rollouts, overall scores and parts, failures)."""
+    gather the whole batch (rollouts, overall scores and parts, failures). The answers come back right-padded to
+    their length bucket (``--shape_buckets``)."""
     g, procs, tracer, step = ctx.cfg.rollout.group_size, ctx.procs, run.tracer, run.step
     mine = share(prompts.batch_size, procs.index, procs.count)
     local = select_rows(ctx.cfg.model, prompts, np.arange(mine.start, mine.stop)) if procs.many else prompts
@@ -196,6 +197,8 @@ def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, 
             rollouts = gather_rollouts(rollouts, ctx.cfg.rollout.max_new_tokens, ctx.cfg.model.pad_token_id, procs)
             scores = gather_scores(scores, procs)
             texts = response_texts(rollouts, ctx.decode, ctx.stop_ids)
+    tr = rollouts.response_ids.shape[-1]
+    rollouts = pad_answers(rollouts, step_shapes(ctx.cfg).answer_len(tr), ctx.cfg.model.pad_token_id)
     return _Sampled(prompts, rollouts, texts, scores)
 
 

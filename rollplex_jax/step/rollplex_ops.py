@@ -11,11 +11,11 @@ answers each (G, or 1). What runs when:
   the params version they were computed under (``Boundary``): a consumer at another version raises
   ``StaleBoundaryError``.
 - scoring (``ref_logp``, ``logp``): the suffix over each micro-batch of answers (``answer_blocks``).
-- ``grads`` of a mini-batch: per micro-batch of ``--micro_batch`` answers (whole prefix rows, or one
-  row's answers in chunks when ``--micro_batch`` < n), accumulated exactly (token weights are the
-  mini-batch's, sliced). Residual path: suffix gradients, the boundary cotangents accumulated over the
-  micro-batches, then one prefix vjp. Recompute path: each micro-batch's prefix recomputed for its own
-  prompt rows inside its gradient program.
+- ``grads`` of a mini-batch: per micro-batch of ``--micro_batch`` answers, or of as many as
+  ``--micro_batch_tokens`` holds (``sequences.StepShapes``; whole prefix rows, or one row's answers in chunks when
+  that is < n), accumulated exactly (token weights are the mini-batch's, sliced). Residual path: suffix
+  gradients, the boundary cotangents accumulated over the micro-batches, then one prefix vjp. Recompute path:
+  each micro-batch's prefix recomputed for its own prompt rows inside its gradient program.
 """
 
 from __future__ import annotations
@@ -29,13 +29,16 @@ import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
-from rollplex_jax.models.qwen2_5_vl.model import InputOptions, ModelInputs, prepare_inputs
+from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
 from rollplex_jax.programs.sequences import (
     answer_blocks,
+    input_options,
     mini_batch_rows,
+    pad_prompts,
     repeat_rows,
     row_slots,
     select_rows,
+    step_shapes,
     vision_token_rows,
 )
 from rollplex_jax.programs.split import BoundaryRows
@@ -84,6 +87,9 @@ class RollplexOps:
         self.version = step  # theta_k's params version: step k starts from version k (``rl_step._train``)
         g = cfg.rollout.group_size
         self.n = g if cfg.run.prefix_sharing else 1  # answers per prefix row
+        self.shapes = step_shapes(cfg)
+        prompts = pad_prompts(prompts, self.shapes.prompt_len(prompts.input_ids.shape[1]))
+        self.micro = cfg.rl.micro_batch  # answers per suffix micro-batch (``set_rollouts``: the token budget's)
         self.rows = prompts if cfg.run.prefix_sharing else repeat_rows(cfg.model, prompts, g)
         self.n_rows = self.rows.batch_size
         self.minis = [(r.start // self.n, r.stop // self.n)
@@ -106,8 +112,7 @@ class RollplexOps:
     def _prepare(self, p0: int, p1: int) -> ModelInputs:
         r = self.rows if (p0, p1) == (0, self.n_rows) else select_rows(self.cfg.model, self.rows, range(p0, p1))
         return prepare_inputs(self.cfg.model, r.input_ids, r.attention_mask, r.pixel_values, r.image_grid_thw,
-                              r.video_grid_thw, r.second_per_grid_ts,
-                              InputOptions(groups=self.cfg.mesh.train_fsdp, pack=self.cfg.programs.packing))
+                              r.video_grid_thw, r.second_per_grid_ts, input_options(self.cfg))
 
     def _part(self, p0: int, p1: int):
         """(inputs, frozen vision embeds) of prefix rows [p0, p1)."""
@@ -174,12 +179,13 @@ class RollplexOps:
         shape = (b * g // self.n, self.n, tr)
         self.resp = rollouts.response_ids.reshape(shape).astype(np.int32)
         self.rmask = rollouts.mask.reshape(shape) > 0
+        self.micro = self.shapes.answers(self.rows.input_ids.shape[1], tr, self.n)
 
     # --- scoring ---------------------------------------------------------------------------------------
     def _scores(self, params, parts: list[Boundary], consumer: str):
         """Answer log-probs [B*G, Tr] under ``params`` given boundary ``parts``, one micro-batch at a time."""
         out = []
-        for blk in answer_blocks(0, self.n_rows, self.n, self.cfg.rl.micro_batch):
+        for blk in answer_blocks(0, self.n_rows, self.n, self.micro):
             b = next(x for x in parts if blk.p0 in x.rows)
             b.check(self.version, consumer)
             lp = self.sp.suffix_logp(blk.p1 - blk.p0, params, b.arrays, blk.p0 - b.q0, self.resp[blk.index],
@@ -203,7 +209,7 @@ class RollplexOps:
         res = self.actor[0] if self.actor and self.kept is not None else None
         use_res = version == self.version and res is not None and (m0, m1) == (res.q0, res.rows.stop)
         acc, parts, ct = None, [], None
-        for blk in answer_blocks(m0, m1, self.n, self.cfg.rl.micro_batch):
+        for blk in answer_blocks(m0, m1, self.n, self.micro):
             ans = t.answers(jnp.asarray(self.resp[blk.index]), (slice(blk.p0 - m0, blk.p1 - m0),
                                                                  slice(blk.a0, blk.a1)), blk.index)
             if use_res:

@@ -213,7 +213,7 @@ def test_serial_rows_of_a_short_prompt_pack(tmp_path):
     r = Runner(cfg)
     ro = rl_step.sample(r.ctx, r.state.params, prompts, rl_step.Draw(n=4, seed=1))
     r.close()
-    mbs = micro_batches(cfg.model, prompts, ro, 4, pack=True)
+    mbs = micro_batches(cfg.model, prompts, ro, 4, opts=M.InputOptions(pack=True))
     assert [mb.inputs.packing is not None for mb in mbs] == [False, True, False]
     assert mbs[1].inputs.packing.input_ids.shape == (2, 21)
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rollplex_jax.config import ModelConfig, ProgramConfig
+from rollplex_jax.config.shapes import Buckets, pow2
 from rollplex_jax.models.attention import KVSource
 from rollplex_jax.models.qwen2_5_vl import packing as P
 from rollplex_jax.models.qwen2_5_vl import rope
@@ -91,11 +92,14 @@ class InputOptions:
     rows, since a sampled answer may contain the pad ids as plain tokens). ``groups``: the data-parallel degree
     (``fsdp``) the vision tower's patches are split over; its layout is then group-local where the items allow
     (``rope.group_layout``: every window gather within a device). ``pack``: the decoder runs on the rows' real
-    tokens packed into fewer rows of the same length (``packing.py``) where that saves a row."""
+    tokens packed into fewer rows of the same length (``packing.py``) where that saves a row. ``buckets``
+    (``--shape_buckets``): shape-stable inputs: the vision patches padded to a bucket (``_vision``; one group),
+    and with ``pack`` the rows always packed, into a power-of-two count of rows (``packing.pack_layout``)."""
 
     vision_region: np.ndarray | None = None
     groups: int = 1
     pack: bool = False
+    buckets: Buckets | None = None
 
 
 def prepare_inputs(
@@ -139,8 +143,8 @@ def prepare_inputs(
                          "one value per video_grid_thw row (seconds per temporal grid step), or None")
     positions, next_pos = rope.get_rope_index(input_ids, attention_mask, cfg, image_grid_thw, video_grid_thw,
                                               second_per_grid_ts, types)
-    layout = rope.vision_layout(grids, cfg.vision).arrays(opts.groups) if len(grids) else None
-    packed = P.pack_layout(attention_mask, opts.groups) if opts.pack else None
+    pixel_values, layout = _vision(cfg, grids, pixel_values, opts)
+    packed = P.pack_layout(attention_mask, opts.groups, stable=opts.buckets is not None) if opts.pack else None
     return ModelInputs(
         input_ids=jnp.asarray(input_ids, jnp.int32),
         attention_mask=jnp.asarray(attention_mask, jnp.int32),
@@ -151,6 +155,25 @@ def prepare_inputs(
         layout=None if layout is None else {k: jnp.asarray(v) for k, v in layout.items()},
         packing=None if packed is None else P.pack(input_ids, types, np.asarray(positions), packed),
     )
+
+
+def _vision(cfg: ModelConfig, grids: np.ndarray, pixel_values, opts: InputOptions):
+    """(pixel_values, ``vision_forward``'s layout arrays) of the batch's items, or (None, None) without any. With
+    ``opts.buckets`` the patches are padded with zero patches to a bucket of merge units and the segment
+    gathers to power-of-two counts and bucketed lengths (``rope.pad_layout``), in one group: what the programs see
+    then depends on the buckets only."""
+    if not len(grids):
+        return None, None
+    layout = rope.vision_layout(grids, cfg.vision)
+    if opts.buckets is None:
+        return pixel_values, layout.arrays(opts.groups)
+    unit = cfg.vision.spatial_merge_size**2
+    units = opts.buckets.up(len(layout.window_index))
+    layout = rope.pad_layout(layout, units, pow2(len(layout.window_gather)), cfg.vision.merger_window**2,
+                             pow2(len(layout.frame_gather)),
+                             opts.buckets.up(layout.frame_gather.shape[1], cap=units), unit)
+    pad = np.zeros((units * unit - len(pixel_values), pixel_values.shape[1]), pixel_values.dtype)
+    return np.concatenate([pixel_values, pad]), rope.single_group(layout)
 
 
 def encode_vision(params: dict, cfg: ModelConfig, inputs: ModelInputs, *,

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rollplex_jax.config.shapes import pow2
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +56,12 @@ def next_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
     return rows
 
 
-def pack_layout(attention_mask: np.ndarray, groups: int = 1) -> tuple[np.ndarray, np.ndarray, int] | None:
+def pack_layout(attention_mask: np.ndarray, groups: int = 1,
+                stable: bool = False) -> tuple[np.ndarray, np.ndarray, int] | None:
     """(flat packed slot [B, T] of each real token, -1 elsewhere; segment ids [P, T]; P), or None when packing
-    saves no row. Rows are packed per group of B / groups consecutive rows (each group into the same count)."""
+    saves no row. Rows are packed per group of B / groups consecutive rows (each group into the same count).
+    ``stable`` (shape buckets): always packed, each group into a power of two rows (at most its B / groups), the
+    rows beyond what the tokens need empty (segment -1): one program whatever the data."""
     mask = np.asarray(attention_mask) > 0
     b, t = mask.shape
     groups = groups if groups > 1 and b % groups == 0 else 1
@@ -64,7 +69,9 @@ def pack_layout(attention_mask: np.ndarray, groups: int = 1) -> tuple[np.ndarray
     lengths = mask.sum(1)
     rows = [next_fit(lengths[g * per:(g + 1) * per], t) for g in range(groups)]
     p_group = max(int(r.max()) + 1 for r in rows)  # every group holds b / groups >= 1 rows
-    if p_group * groups >= b:
+    if stable:
+        p_group = pow2(p_group, cap=per)
+    elif p_group * groups >= b:
         return None
     slot = np.full((b, t), -1, np.int64)
     segments = np.full((p_group * groups, t), -1, np.int32)

@@ -279,3 +279,41 @@ def vision_cos_sin(rot_pos: jnp.ndarray, cfg: VisionConfig) -> tuple[jnp.ndarray
     hw = freqs.reshape(freqs.shape[0], -1)  # [N, hd/2] = (h bands, w bands)
     emb = jnp.concatenate([hw, hw], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
+
+
+def pad_layout(layout: VisionLayout, units: int, windows: int, window_len: int, frames: int,
+               frame_len: int, unit: int) -> VisionLayout:
+    """The layout of the same items followed by ``units - U`` padding merge units (``unit`` patches each), with
+    ``windows`` x ``window_len`` and ``frames`` x ``frame_len`` segment gathers (shape buckets,
+    ``config/shapes.py``). Padding units stay in place (identity in both reorderings), sit in no segment (so no
+    real patch attends to them and they attend to nothing that reaches a real output) and have rotary position
+    (0, 0); their merged tokens follow the real ones and are never scattered into the text (``text.embed`` takes
+    the first n_image + n_video). Segments gain empty rows and masked columns: index ``units``, out of range."""
+    n = len(layout.window_index)
+    if units < n or windows < len(layout.window_gather) or frames < len(layout.frame_gather) \
+            or window_len < layout.window_gather.shape[1] or frame_len < layout.frame_gather.shape[1]:
+        raise ValueError(f"pad_layout: buckets ({units} units, {windows} x {window_len} windows, {frames} x "
+                         f"{frame_len} frames) smaller than the layout's")
+    extra = np.arange(n, units, dtype=np.int32)
+
+    def gather(g: np.ndarray, rows: int, cols: int) -> np.ndarray:
+        out = np.full((rows, cols), units, np.int32)
+        out[:g.shape[0], :g.shape[1]] = np.where(g < n, g, units)
+        return out
+
+    return VisionLayout(
+        window_index=np.concatenate([layout.window_index, extra]),
+        reverse_index=np.concatenate([layout.reverse_index, extra]),
+        full_segment=np.concatenate([layout.full_segment, np.full(units - n, -1, np.int32)]),
+        window_segment=np.concatenate([layout.window_segment, np.full(units - n, -1, np.int32)]),
+        rot_pos=np.concatenate([layout.rot_pos, np.zeros(((units - n) * unit, 2), np.int32)]),
+        window_gather=gather(layout.window_gather, windows, window_len),
+        frame_gather=gather(layout.frame_gather, frames, frame_len),
+    )
+
+
+def single_group(layout: VisionLayout) -> dict[str, np.ndarray]:
+    """``group_layout(layout, 1)`` that keeps empty (padding) segments: what ``vision_forward`` takes."""
+    return {"window_index": layout.window_index[None], "reverse_index": layout.reverse_index[None],
+            "rot_pos": layout.rot_pos, "window_gather": layout.window_gather[None],
+            "frame_gather": layout.frame_gather[None]}
