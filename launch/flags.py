@@ -55,6 +55,13 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string("workdir", run.workdir, "Directory the run writes metrics, traces and checkpoints to.", **fv)
     flags.DEFINE_integer("seed", run.seed, "Random seed (params init, sampling, data order).", lower_bound=0, **fv)
     flags.DEFINE_integer("steps", run.steps, "Number of training steps.", lower_bound=0, **fv)
+    flags.DEFINE_string(
+        "compilation_cache_dir", C.default_compilation_cache_dir(),
+        "Persistent XLA compilation cache: compiled programs are kept in this directory and loaded by later runs "
+        "instead of compiled again (metrics perf/compiles, perf/compile_cache_hits). Default: "
+        "$XDG_CACHE_HOME/rollplex_jax/xla, else ~/.cache/rollplex_jax/xla (resolved when the flags are defined). "
+        "Empty = no cache. The cache is trusted code: anyone who can write to the directory can run code in "
+        "this process, so keep it per user, never in a directory others can write to. Delete it to clear it.", **fv)
 
     # --- data ----------------------------------------------------------------------------
     flags.DEFINE_integer("min_pixels", data.min_pixels, "Lower bound on image pixels after smart_resize.",
@@ -148,6 +155,9 @@ def config_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Config:
                     for sec, cls in _SECTIONS.items()}
         mesh = sections["mesh"]  # the actor's parameters in the engine's layout (fused.param_layout)
         model = model.with_param_layout(**param_layout(mesh.train_tp, mesh.rollout_tp, sections["rollout"].engine))
+        cache = f.compilation_cache_dir  # the directory used, as the config and run_summary.json show it
+        sections["run"] = dataclasses.replace(
+            sections["run"], compilation_cache_dir=os.path.abspath(os.path.expanduser(cache)) if cache else "")
         return Config(model=model, **sections)
     except ConfigError as e:
         raise _usage_error(e, f) from None

@@ -74,8 +74,9 @@ def test_a_real_checkpoint_gets_easyr1_defaults_and_the_demos_state_theirs(tmp_p
 
 def _comparable(rows):
     # time/*, timing_s/* and perf/ rates are wall clock; memory/* is live device memory of the process, which two
-    # runners share.
-    skip = ("time/", "timing_s/", "perf/time_per_step", "perf/throughput", "memory/")
+    # runners share, and so are the compilations (perf/compiles, perf/compile_cache_hits): the second runner's
+    # programs may be in the first's caches.
+    skip = ("time/", "timing_s/", "perf/time_per_step", "perf/throughput", "memory/", "perf/compile")
     return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows]
 
 

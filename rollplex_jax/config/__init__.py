@@ -41,6 +41,7 @@ from rollplex_jax.config.tree import (
     RlConfig,
     RolloutConfig,
     RunConfig,
+    default_compilation_cache_dir,
     parse_bytes,
 )
 
@@ -49,5 +50,5 @@ __all__ = [
     "DTYPES", "DataConfig", "ENGINES", "INTERNAL_DTYPES", "KL_ESTIMATORS", "KL_MODES", "LOSS_AGGS", "LR_SCHEDULES",
     "MemoryConfig", "MeshConfig", "ModelConfig", "OPTIMIZER_POLICIES", "OptimConfig", "ProgramConfig", "REMATS",
     "REWARD_FAILURES", "RlConfig", "RolloutConfig", "RunConfig", "SCHEDULES", "SYNTHETIC_TASKS", "TextConfig",
-    "VisionConfig", "parse_bytes", "tiny_model_config",
+    "VisionConfig", "default_compilation_cache_dir", "parse_bytes", "tiny_model_config",
 ]

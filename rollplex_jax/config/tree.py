@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 from rollplex_jax.config.model import ConfigError, ModelConfig, _require
 from rollplex_jax.config.shapes import DEFAULT as DEFAULT_BUCKETS
@@ -348,7 +349,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """Where a run writes, how long it runs, its seed and schedule."""
+    """Where a run writes, how long it runs, its seed and schedule, and where its compiled programs are kept."""
 
     workdir: str = "runs/default"
     seed: int = 0
@@ -365,6 +366,9 @@ class RunConfig:
     val_before_train: bool = False
     val_temperature: float = 0.0  # 0 = greedy; > 0 sampled with a fixed seed
     val_generations_to_log: int = 3
+    # Persistent XLA compilation cache (run/compile_cache.py): '' = none. The flag defaults to the per-user
+    # default_compilation_cache_dir(); a Config built in code has none unless given one.
+    compilation_cache_dir: str = ""
 
     def __post_init__(self):
         _require(self.val_every >= 0, "run.val_every", self.val_every, "must be >= 0 (0 = only at the end)")
@@ -375,6 +379,16 @@ class RunConfig:
         _require(bool(self.workdir), "run.workdir", self.workdir, "must be a non-empty path")
         _choice("run", "schedule", self.schedule, SCHEDULES)
         _choice("run", "actor_prefix", self.actor_prefix, ACTOR_PREFIX)
+
+
+def default_compilation_cache_dir(environ=None) -> str:
+    """The per-user compilation cache: ``$XDG_CACHE_HOME/rollplex_jax/xla`` when that is set (an absolute path, as
+    the XDG spec asks), else ``~/.cache/rollplex_jax/xla``. Per user because the cache is trusted code."""
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "rollplex_jax", "xla")
 
 
 # On a CPU one fp32 score block [B, N, H, bq, bk] of the blockwise attention is kept at most this large, so it

@@ -38,7 +38,7 @@ from rollplex_jax.parallel import multihost
 from rollplex_jax.programs.actor import make_programs
 from rollplex_jax.programs.split import make_split_programs
 from rollplex_jax.rl.rewards import RewardRunner, resolve_reward_fn
-from rollplex_jax.run import outputs, validation
+from rollplex_jax.run import compile_cache, compiles, outputs, validation
 from rollplex_jax.run import setup as run_setup
 from rollplex_jax.run import summary as run_summary
 from rollplex_jax.run.checkpoint import Checkpointer
@@ -59,6 +59,7 @@ class Runner:
 
     def __init__(self, cfg: Config, *, log=None, rebuild: Callable[..., Config] | None = None):
         self.cfg, self.rebuild = cfg, rebuild
+        compile_cache.use(cfg.run.compilation_cache_dir)  # before the run's first compilation
         self.procs = multihost.Processes.current()  # several: a jax.distributed job (launch.main starts it)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         if self.procs.many and log is None:
@@ -77,6 +78,7 @@ class Runner:
         self.last_prompts: list[data_lib.Example] = []
         self._stop_requested = False
         self._warned_reward = False
+        self._steps_here = 0  # steps run by this process (a resumed run's first one compiles everything)
         self._t0 = time.perf_counter()
         self._resume_or_start()
         self.writer = outputs.MetricsWriter(self.workdir, keep_steps=self.step) if self.procs.writer else \
@@ -224,20 +226,24 @@ class Runner:
         step_fn = rl_step.rollplex_step if self.cfg.run.schedule == "rollplex" else rl_step.serial_step
         first = self.last is None  # this process's first step: jit compiles its programs
         if first:
-            self.log(f"step {self.step + 1}: the first step compiles its programs (XLA), which takes a while ...")
+            cached = " or loads them from --compilation_cache_dir" if self.cfg.run.compilation_cache_dir else ""
+            self.log(f"step {self.step + 1}: the first step compiles its programs (XLA){cached}: this takes a while")
         t0 = time.perf_counter()
+        self._steps_here += 1
         try:
-            with self.mesh_scope(), located(f"step {self.step + 1}"):
+            with self.mesh_scope(), located(f"step {self.step + 1}"), \
+                    compiles.watch(self.step + 1, nth=self._steps_here) as compiled:
                 result = step_fn(self.ctx, self.state, prompts, [e.answer for e in batch], seed=self._seed(self.step),
                                  step=self.step, tracer=self.tracer, extras=[getattr(e, "extra", {}) for e in batch])
         except BaseException:
             self.sampler = data_lib.PromptSampler.from_state(position)
             raise
         if first:
-            self.log(f"step {self.step + 1}: done in {time.perf_counter() - t0:.1f} s (compilation included)")
+            self.log(f"step {self.step + 1}: done in {time.perf_counter() - t0:.1f} s ({compiled.summary()})")
+        compiles.warn_if_late(compiled)
         self.state, self.last, self.last_prompts = result.state, result, batch
         self.step += 1
-        metrics = dict(result.metrics)
+        metrics = {**result.metrics, **compiled.metrics()}
         if metrics.get("reward/failures") and not self._warned_reward:
             self._warned_reward = True
             self.log(f"warning: step {self.step}: the reward function failed on {int(metrics['reward/failures'])} "
@@ -364,6 +370,7 @@ class Runner:
                    **run_summary.reward_summary(self.history), **ev, **val, "params_sha256": self.params_sha256(),
                    "weight_sharing": run_summary.sharing_summary(self.ctx.publisher.report(), self.procs.count),
                    "memory": self.memory_report(), "data": {"train": self.train_report.to_dict()},
+                   "compilation": run_summary.compile_summary(self.cfg.run.compilation_cache_dir, self.history),
                    "wall_s": time.perf_counter() - self._t0}
         if self.procs.many:
             summary["processes"] = self.procs.count

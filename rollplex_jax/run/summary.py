@@ -26,6 +26,16 @@ def reward_summary(history: list[dict]) -> dict:
     }
 
 
+def compile_summary(cache_dir: str, history: list[dict]) -> dict:
+    """Where compiled programs were kept (None: nowhere) and the steps' XLA compilations, seconds and persistent-cache
+    loads, summed over the steps' rows (``perf/compiles``, ``timing_s/compile``, ``perf/compile_cache_hits``)."""
+    def total(key: str) -> float:
+        return float(sum(h.get(key, 0.0) for h in history))
+
+    return {"cache_dir": cache_dir or None, "compiles": int(total("perf/compiles")),
+            "compile_s": total("timing_s/compile"), "cache_hits": int(total("perf/compile_cache_hits"))}
+
+
 def sharing_summary(report: SharingReport, processes: int) -> dict:
     """The engine's sharing report; in a multi-process run the engine views an all-gathered copy, so every
     byte it reads is rebuilt (engine-only), whatever the per-tensor classification of that copy."""

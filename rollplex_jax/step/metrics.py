@@ -15,7 +15,9 @@ duplicate (``reward/mean`` = ``reward/overall``; ``time/<phase>_s`` = ``timing_s
   prompt + answer tokens of every answer: a prompt counts once per answer, as verl counts a sequence),
   ``perf/throughput`` (those tokens per second per training device: divided by the training mesh's fsdp x tp,
   which spans every process's devices as the gathered batch does; devices the run does not train on, e.g. the
-  4 fake CPU devices of the test environment under a 1-device run, do not count);
+  4 fake CPU devices of the test environment under a 1-device run, do not count); added by the runner
+  (``run/compiles.py``): ``perf/compiles`` (XLA compilations during the step), ``timing_s/compile`` (their
+  seconds, summed over threads), ``perf/compile_cache_hits`` (programs loaded from the persistent cache instead);
 - the rollout's numerics: ``rollout/logprob_abs_diff_{mean,max}`` (as verl's ``training/rollout_probs_diff_*``):
   |engine log-prob - trainer log-prob under theta_k| over the answer tokens, both of ``softmax(logits / T)``
   (``programs.actor.Spec``): float noise when the engine and the trainer agree on the policy (fp32 demo model:
