@@ -15,9 +15,10 @@ user runs them, with ``configs/bench_shapes_cpu.flags``:
 
 The data and a tiny model with a small Qwen-like BPE tokenizer (``launch.make_tiny_checkpoint
 --with_tokenizer``) are written under ``--out`` when missing. Prints one JSON line (also ``OUT/bench_shapes.json``):
-the steady-state (steps 6 on) median seconds per step of (a) and (b) and their ratio, the compilations over steps
-6 on of (a) (``perf/compiles``), its mean ``perf/padding_frac``, the first step's seconds of (a) and (c) and their
-ratio, each against its target. A key a run's metrics.jsonl lacks is reported as null and named under
+the steady-state (steps 6 on) median seconds per step of (a) and (b) and their ratio (and of (c): what the cache
+alone saves, as tracing and lowering each new shape remain), the compilations over steps 6 on of (a)
+(``perf/compiles``), its mean ``perf/padding_frac``, the first step's seconds of (a) and (c) and their ratio,
+each against its target. A key a run's metrics.jsonl lacks is reported as null and named under
 ``missing_keys``. ``log_compiles`` counts, per run, the XLA programs JAX logged as compiled or loaded from the
 cache (``JAX_LOG_COMPILES``), whichever metrics the run writes.
 
@@ -150,7 +151,8 @@ def _first_step_s(rows: list[dict]) -> float | None:
 def summarise(mixed: list[dict], fixed: list[dict], rerun: list[dict], steady_from: int = STEADY_FROM) -> dict:
     """The benchmark's figures from the training rows of the three runs (module docstring); None where a run's
     rows lack the key or the run is too short, with the lacking keys listed per run under ``missing_keys``."""
-    steady = {name: _values(rows, "timing_s/step", steady_from) for name, rows in (("mixed", mixed), ("fixed", fixed))}
+    steady = {name: _values(rows, "timing_s/step", steady_from)
+              for name, rows in (("mixed", mixed), ("fixed", fixed), ("rerun", rerun))}
     median = {name: statistics.median(v) if v else None for name, v in steady.items()}
     compiles = _values(mixed, "perf/compiles", steady_from)
     compile_s = _values(mixed, "timing_s/compile", steady_from)
@@ -158,7 +160,7 @@ def summarise(mixed: list[dict], fixed: list[dict], rerun: list[dict], steady_fr
     cold, warm = _first_step_s(mixed), _first_step_s(rerun)
     out = {"steps": max((r["step"] for r in mixed), default=0), "steady_from_step": steady_from,
            "mixed_s_per_step": median["mixed"], "fixed_s_per_step": median["fixed"],
-           "ratio_mixed_fixed": _ratio(median["mixed"], median["fixed"]),
+           "ratio_mixed_fixed": _ratio(median["mixed"], median["fixed"]), "rerun_s_per_step": median["rerun"],
            "compiles_after_5": sum(compiles) if compiles is not None else None,
            "compile_s_after_5": sum(compile_s) if compile_s is not None else None,
            "padding_frac": statistics.fmean(padding) if padding else None,

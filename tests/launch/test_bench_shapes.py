@@ -70,6 +70,7 @@ def test_summarise_reads_metrics_rows(tmp_path):
     out = summarise(mixed, _rows([9.0, 1, 1, 1, 1, 2.0, 2.0, 2.0, 2.0]), _rows([4.0, 3, 3, 3, 3, 2, 2, 2, 2]))
     assert out["steps"] == 9 and out["steady_from_step"] == 6
     assert (out["mixed_s_per_step"], out["fixed_s_per_step"], out["ratio_mixed_fixed"]) == (2.3, 2.0, 1.15)
+    assert out["rerun_s_per_step"] == 2
     assert (out["compiles_after_5"], out["compile_s_after_5"], out["padding_frac"]) == (3, 1.5, 0.2)
     assert (out["cold_first_step_s"], out["rerun_first_step_s"], out["rerun_over_cold_first"]) == (20.0, 4.0, 0.2)
     assert out["pass"] == {k: True for k in TARGETS} and set(out["targets"]) == set(TARGETS)
