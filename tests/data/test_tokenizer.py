@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+from launch.make_tiny_checkpoint import save_bpe_tokenizer  # a byte-level BPE with Qwen's special tokens
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.data import synthetic
 from rollplex_jax.data.tokenizer import (
@@ -39,8 +40,6 @@ QWEN_CHAT_TEMPLATE = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                 "<|image_pad|>", "<|video_pad|>"]
 
 
 # --- TinyTokenizer ----------------------------------------------------------------------------
@@ -122,28 +121,10 @@ def test_render_prompt_rejects_bad_input():
 
 # --- HFTokenizer ------------------------------------------------------------------------------
 
-def _save_bpe_tokenizer(path, specials=QWEN_SPECIALS, pad="<|endoftext|>"):
-    """A byte-level BPE (as Qwen's) trained on a few lines, with Qwen's special tokens."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=list(specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    raw.train_from_iterator(["system\nYou are a helpful assistant.", "user\nwhat colour is the square?",
-                             "assistant\nred green blue yellow", "how many squares? 1 2 3 4"] * 5, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token=pad)
-    fast.save_pretrained(path)
-    return fast
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen_like_tokenizer")
-    _save_bpe_tokenizer(d)
+    save_bpe_tokenizer(d)
     return d
 
 
@@ -194,7 +175,7 @@ def test_hf_tokenizer_missing_files(tmp_path):
 
 
 def test_hf_tokenizer_without_qwen_tokens(tmp_path):
-    _save_bpe_tokenizer(tmp_path, specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    save_bpe_tokenizer(tmp_path, specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     assert os.path.isfile(tmp_path / "tokenizer.json")
     with pytest.raises(TokenizerError, match="vision_start"):
         HFTokenizer(tmp_path)
