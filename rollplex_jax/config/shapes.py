@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollplex_jax.config.tree import Config
 
 DEFAULT = "64:512:1.25"
 
@@ -66,3 +70,52 @@ def pow2(n: int, cap: int | None = None) -> int:
     """The smallest power of two >= ``n`` (>= 1), at most ``max(n, cap)``."""
     b = 1 << max(int(n) - 1, 0).bit_length()
     return b if cap is None else max(int(n), min(b, int(cap)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """The bucketed lengths a step's programs run at (``--shape_buckets``; None: exact shapes) and the rows of a
+    micro-batch under ``--micro_batch_tokens`` (``micro_batch_tokens`` 0: ``micro_batch`` rows)."""
+
+    buckets: Buckets | None
+    prompt_cap: int
+    answer_cap: int
+    micro_batch: int
+    micro_batch_tokens: int = 0
+
+    def prompt_len(self, n: int) -> int:
+        return n if self.buckets is None else self.buckets.up(n, cap=self.prompt_cap)
+
+    def answer_len(self, n: int) -> int:
+        return n if self.buckets is None else self.buckets.up(n, cap=self.answer_cap)
+
+    def serial_rows(self, length: int) -> int:
+        """Rows (prompt ++ answer, ``length`` slots each) of a serial micro-batch."""
+        return self.micro_batch if not self.micro_batch_tokens else max(1, self.micro_batch_tokens // length)
+
+    def answers(self, prompt_len: int, answer_len: int, n: int) -> int:
+        """Answers of a Rollplex micro-batch: whole prefix rows (``prompt_len`` + ``n`` answers of ``answer_len``
+        each) while the budget holds one, else as many of one row's answers as fit beside its prefix."""
+        if not self.micro_batch_tokens:
+            return self.micro_batch
+        row = prompt_len + n * answer_len
+        if self.micro_batch_tokens >= row:
+            return self.micro_batch_tokens // row * n
+        return max(1, (self.micro_batch_tokens - prompt_len) // answer_len)
+
+
+def step_shapes(cfg: Config) -> StepShapes:
+    """The run's ``StepShapes`` (lengths capped at ``--max_prompt_len`` / ``--max_new_tokens``)."""
+    return StepShapes(cfg.programs.buckets, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, cfg.rl.micro_batch,
+                      cfg.rl.micro_batch_tokens)
+
+
+def planned_micro_batch(cfg: Config) -> int:
+    """A micro-batch's rows (serial) or answers (Rollplex) at the longest lengths the config allows, the largest
+    buckets: ``--micro_batch``, or what ``--micro_batch_tokens`` holds there (the planner's and the AOT compile's
+    micro-batch; at shorter lengths the budget holds more rows of the same token count)."""
+    s = step_shapes(cfg)
+    tp, tr = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens
+    if not s.micro_batch_tokens or cfg.run.schedule == "serial":
+        return s.serial_rows(tp + tr)
+    return s.answers(tp, tr, cfg.rollout.group_size if cfg.run.prefix_sharing else 1)

@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rollplex_jax.config import Config
+from rollplex_jax.config.shapes import planned_micro_batch
 from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs
@@ -318,7 +319,7 @@ def _serial(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int, 
     """The serial schedule: full (prompt ++ answer) rows, one micro-batch per program call."""
     Tp, Tv, Tr = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens
     rows = cfg.rl.batch_prompts * cfg.rollout.group_size
-    mb = min(cfg.rl.micro_batch, rows)
+    mb = min(planned_micro_batch(cfg), rows)
     inputs = A.inputs(mb, Tp, Tv, Tr, frames)
     n_mb = math.ceil(rows / mb)
     other = abstract_shard_bytes(inputs) * n_mb  # the step's micro-batches are built up front (SerialOps)
@@ -372,7 +373,7 @@ def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int
         ph.add("rollout", "ref_prefix", pb, {"ref_weights", "other", "emb", "boundary_kv"})
         live["boundary_kv"] += abstract_shard_bytes(ref_b)
     ph.live["rollout"] = dict(live)
-    blk = answer_blocks(0, P, n, cfg.rl.micro_batch)[0]
+    blk = answer_blocks(0, P, n, planned_micro_batch(cfg))[0]
     size, na = blk.p1 - blk.p0, blk.a1 - blk.a0
     mask, pos = A.array((P, Tp), bool), A.array((P,), jnp.int32)
     ids, rmask = A.array((size, na, Tr), jnp.int32), A.array((size, na, Tr), bool)

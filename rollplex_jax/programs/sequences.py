@@ -15,7 +15,6 @@ import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts, items_per_row
 from rollplex_jax.config import Config, ModelConfig
-from rollplex_jax.config.shapes import Buckets
 from rollplex_jax.models.qwen2_5_vl.model import InputOptions, ModelInputs, prepare_inputs
 
 
@@ -171,45 +170,8 @@ def pad_answers(rollouts: Rollouts, length: int, pad_id: int) -> Rollouts:
                                logprobs=np.pad(rollouts.logprobs, widths))
 
 
-@dataclasses.dataclass(frozen=True)
-class StepShapes:
-    """The bucketed lengths a step's programs run at (``--shape_buckets``; None: exact shapes) and the rows of a
-    micro-batch under ``--micro_batch_tokens`` (``micro_batch_tokens`` 0: ``micro_batch`` rows)."""
-
-    buckets: Buckets | None
-    prompt_cap: int
-    answer_cap: int
-    micro_batch: int
-    micro_batch_tokens: int = 0
-
-    def prompt_len(self, n: int) -> int:
-        return n if self.buckets is None else self.buckets.up(n, cap=self.prompt_cap)
-
-    def answer_len(self, n: int) -> int:
-        return n if self.buckets is None else self.buckets.up(n, cap=self.answer_cap)
-
-    def serial_rows(self, length: int) -> int:
-        """Rows (prompt ++ answer, ``length`` slots each) of a serial micro-batch."""
-        return self.micro_batch if not self.micro_batch_tokens else max(1, self.micro_batch_tokens // length)
-
-    def answers(self, prompt_len: int, answer_len: int, n: int) -> int:
-        """Answers of a Rollplex micro-batch: whole prefix rows (``prompt_len`` + ``n`` answers of ``answer_len``
-        each) while the budget holds one, else as many of one row's answers as fit beside its prefix."""
-        if not self.micro_batch_tokens:
-            return self.micro_batch
-        row = prompt_len + n * answer_len
-        if self.micro_batch_tokens >= row:
-            return self.micro_batch_tokens // row * n
-        return max(1, (self.micro_batch_tokens - prompt_len) // answer_len)
-
-
-def step_shapes(cfg: Config) -> StepShapes:
-    """The run's ``StepShapes`` (lengths capped at ``--max_prompt_len`` / ``--max_new_tokens``)."""
-    return StepShapes(cfg.programs.buckets, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, cfg.rl.micro_batch,
-                      cfg.rl.micro_batch_tokens)
-
-
 def input_options(cfg: Config) -> InputOptions:
     """How the run's scoring and training inputs are laid out: vision groups over ``fsdp``, ``--packing``,
     ``--shape_buckets``."""
     return InputOptions(groups=cfg.mesh.train_fsdp, pack=cfg.programs.packing, buckets=cfg.programs.buckets)
+

@@ -48,6 +48,7 @@ import dataclasses
 import math
 
 from rollplex_jax.config import Config
+from rollplex_jax.config.shapes import planned_micro_batch
 from rollplex_jax.memory.planner import (
     DEFAULT_PROGRAMS,
     DENSE_PROGRAMS,
@@ -173,7 +174,7 @@ def serial_costs(s: Setup, n_dev: int, tm: PlanMesh) -> dict[str, tuple[Work, ..
     """Reference and actor work over full sequences, one micro-batch per program call (serial schedule)."""
     cfg, pm = s.cfg, s.pm
     Tp, Tv, Tr = s.lengths.prompt_tokens, s.lengths.vision_tokens, s.lengths.response_tokens
-    n_mb = max(1, math.ceil(s.rows / min(cfg.rl.micro_batch, s.rows)))
+    n_mb = max(1, math.ceil(s.rows / min(planned_micro_batch(cfg), s.rows)))
     rows_mb = s.rows / n_mb / (n_dev // tm.tp)  # rows per device per micro-batch
     t_full = Tp + Tr
     fwd = text_forward_cost(cfg, rows_mb, t_full, 0, Tr, pm) \

@@ -25,6 +25,7 @@ import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
+from rollplex_jax.config.shapes import step_shapes
 from rollplex_jax.programs.actor import Answers, Programs
 from rollplex_jax.programs.sequences import (
     input_options,
@@ -32,7 +33,6 @@ from rollplex_jax.programs.sequences import (
     mini_batch_rows,
     pad_prompts,
     row_slots,
-    step_shapes,
 )
 from rollplex_jax.trace import Tracer
 

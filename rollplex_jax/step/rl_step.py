@@ -27,9 +27,10 @@ import numpy as np
 
 from rollplex_contract.batch import Engine, Prompts, Rollouts, SamplingParams
 from rollplex_jax.config import Config
+from rollplex_jax.config.shapes import step_shapes
 from rollplex_jax.parallel.multihost import Processes, gather_rollouts, gather_scores, share
 from rollplex_jax.programs.actor import Programs
-from rollplex_jax.programs.sequences import mini_batch_rows, pad_answers, select_rows, step_shapes
+from rollplex_jax.programs.sequences import mini_batch_rows, pad_answers, select_rows
 from rollplex_jax.rl import advantages as adv_lib
 from rollplex_jax.rl import losses
 from rollplex_jax.rl.rewards import RewardScores

@@ -29,6 +29,7 @@ import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
+from rollplex_jax.config.shapes import step_shapes
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
 from rollplex_jax.programs.sequences import (
     answer_blocks,
@@ -38,7 +39,6 @@ from rollplex_jax.programs.sequences import (
     repeat_rows,
     row_slots,
     select_rows,
-    step_shapes,
     vision_token_rows,
 )
 from rollplex_jax.programs.split import BoundaryRows

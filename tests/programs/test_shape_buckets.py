@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from rollplex_jax.config import ConfigError, ProgramConfig, RlConfig, tiny_model_config
-from rollplex_jax.config.shapes import Buckets, parse_buckets, pow2
+from rollplex_jax.config.shapes import Buckets, StepShapes, parse_buckets, pow2
 from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.models.qwen2_5_vl import packing as P
 from rollplex_jax.models.qwen2_5_vl.params import init_params
@@ -180,8 +180,6 @@ def test_bucketed_video_steps_equal_exact_shapes(tmp_path):
 
 
 def test_budget_micro_batches_have_one_shape():
-    from rollplex_jax.programs.sequences import StepShapes
-
     s = StepShapes(Buckets(64, 512, 1.25), prompt_cap=600, answer_cap=100, micro_batch=64, micro_batch_tokens=4096)
     assert s.prompt_len(130) == 192 and s.answer_len(70) == 100 and s.answer_len(20) == 64
     assert s.serial_rows(192 + 64) == 16 and s.answers(192, 64, 8) == 8 * 5  # 5 prefix rows of 192 + 8 x 64

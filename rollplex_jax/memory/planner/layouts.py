@@ -59,10 +59,10 @@ Activations (phase-local temporaries of the largest program in a phase), per dev
 - score: the reference forward over one micro-batch: naive over full sequences (vision tower per
   row, fp32 logits [rows, Tp + Tr, V/tp] and their log-softmax), rollplex the suffix only
   (logits over Tr);
-- train: forward + backward over one micro-batch of ``cfg.rl.micro_batch`` rows (global, i.e.
-  ceil(micro_batch / (D / tp)) rows per device): saved activations (no weight copy inside one
-  program), the backward's layer working set, the fp32 logits, their cotangent and log-softmax, and
-  one gradient-sized buffer (the micro-batch's gradient before it is added to the accumulator, or the
+- train: forward + backward over one micro-batch of ``--micro_batch`` rows, or what ``--micro_batch_tokens``
+  holds at the longest lengths (global, i.e. ceil(micro_batch / (D / tp)) rows per device): saved activations
+  (no weight copy inside one program), the backward's layer working set, the fp32 logits, their cotangent and
+  log-softmax, and one gradient-sized buffer (the micro-batch's gradient before it is added to the accumulator, or the
   suffix and prefix parts before they are added); rollplex: the suffix over Tr tokens attending
   Tp + Tr keys per micro-batch, then the prefix vjp over the first mini-batch's prompt rows and the
   boundary-KV cotangents accumulated for them (with ``--actor_prefix=recompute``, the recomputed prefix
@@ -99,6 +99,7 @@ from __future__ import annotations
 import math
 
 from rollplex_jax.config import Config
+from rollplex_jax.config.shapes import planned_micro_batch
 from rollplex_jax.memory.classes import CLASSES, PHASES
 from rollplex_jax.memory.planner.activations import (
     BWD_FACTOR,
@@ -191,7 +192,7 @@ def _assumptions(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         + (f", master weights and moments / dp {mesh.dp}" if mesh.dp > 1 else "")
         + ("; with fsdp > 1 a backward holds every weight FSDP-gathered, a forward its non-layer weights and one "
            "layer's" if mesh.fsdp > 1 else ""),
-        f"micro-batch: {cfg.rl.micro_batch} rows globally -> {s.r_mb} per device (scoring and training run one "
+        f"micro-batch: {planned_micro_batch(cfg)} rows globally -> {s.r_mb} per device (scoring and training run one "
         "micro-batch per program, in both schedules)",
         f"rollout KV cache: {s.rows_roll} sequences x {Tp + Tr} tokens per engine replica, no prompt sharing "
         "inside the engine (an upper bound for vLLM's prefix caching); naive colocation keeps it allocated in "

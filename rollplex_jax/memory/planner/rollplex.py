@@ -17,6 +17,7 @@ The train phase is the larger of the two (a meter's snapshot sees one moment, no
 from __future__ import annotations
 
 from rollplex_jax.config import Config, ModelConfig
+from rollplex_jax.config.shapes import planned_micro_batch
 from rollplex_jax.memory.classes import CLASSES, PHASES
 from rollplex_jax.memory.planner import rows
 from rollplex_jax.memory.planner.activations import (
@@ -68,7 +69,7 @@ def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramMode
     # after the micro-batches; the recompute path recomputes each micro-batch's own prefix rows.
     parts = [rows.per_device(p1 - p0, mesh) for p0, p1 in rows.actor_parts(cfg)]
     res_rows = parts[0]
-    mb_rows = rows.per_device(max(1, cfg.rl.micro_batch // rows.answers_per_row(cfg)), mesh)
+    mb_rows = rows.per_device(max(1, planned_micro_batch(cfg) // rows.answers_per_row(cfg)), mesh)
     prefix_fwd = (2 * Bp * Tp * x.hidden_size * b
                   + max(layer_temp(m, Bp, Tp, Tp, pm, tp), block_temp(m, nv, pm, Tv * v.spatial_merge_size**2, tp)
                         + 2 * nv * v.hidden_size * b))

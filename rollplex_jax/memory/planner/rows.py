@@ -18,6 +18,7 @@ config alone:
 from __future__ import annotations
 
 from rollplex_jax.config import Config
+from rollplex_jax.config.shapes import planned_micro_batch
 from rollplex_jax.memory.planner.types import PlanMesh, split_dim
 
 
@@ -57,7 +58,7 @@ def input_copies(cfg: Config) -> tuple[float, float]:
     for i, (m0, m1) in enumerate(mini_batches(cfg)):
         if i == 0 and cfg.run.actor_prefix == "residuals":
             continue  # the first mini-batch's gradient reads the kept residuals, not the inputs
-        cached |= {(b.p0, b.p1) for b in answer_blocks(m0, m1, n, cfg.rl.micro_batch)} - {(0, total)}
+        cached |= {(b.p0, b.p1) for b in answer_blocks(m0, m1, n, planned_micro_batch(cfg))} - {(0, total)}
     return 1 + at_dispatch / total, 1 + sum(p1 - p0 for p0, p1 in cached) / total
 
 
@@ -70,7 +71,7 @@ def micro_batch_rows(cfg: Config, mesh: PlanMesh) -> float:
     """Answer rows one device holds of a suffix micro-batch (the first and largest ``answer_blocks``)."""
     from rollplex_jax.programs.sequences import answer_blocks
 
-    blk = answer_blocks(0, prefix_rows_total(cfg), answers_per_row(cfg), cfg.rl.micro_batch)[0]
+    blk = answer_blocks(0, prefix_rows_total(cfg), answers_per_row(cfg), planned_micro_batch(cfg))[0]
     rows, answers = blk.p1 - blk.p0, blk.a1 - blk.a0
     if split_dim(rows, mesh.batch_shards) != rows:
         return rows // mesh.batch_shards * answers

@@ -14,6 +14,7 @@ import functools
 import math
 
 from rollplex_jax.config import Config, ModelConfig
+from rollplex_jax.config.shapes import planned_micro_batch
 from rollplex_jax.memory.planner import rows
 from rollplex_jax.memory.planner.activations import block_temp, layer_temp
 from rollplex_jax.memory.planner.shards import Gathered, gathered, shard_counts
@@ -120,6 +121,6 @@ def shared_sizes(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         other_naive=B * G * (patches * v.patch_dim * F32 + (Tp + Tr) * 4 * 6) + rollouts_b,
         inputs_rollplex=rows.prefix_rows_total(cfg) * (patches * v.patch_dim * F32 + Tp * 4 * 6),
         rollouts=rollouts_b,
-        r_mb=math.ceil(min(cfg.rl.micro_batch, B * G) / bs), logits_row=split_dim(m.text.vocab_size, mesh.tp))
+        r_mb=math.ceil(min(planned_micro_batch(cfg), B * G) / bs), logits_row=split_dim(m.text.vocab_size, mesh.tp))
 
 

@@ -159,19 +159,20 @@ def prepare_inputs(
 
 def _vision(cfg: ModelConfig, grids: np.ndarray, pixel_values, opts: InputOptions):
     """(pixel_values, ``vision_forward``'s layout arrays) of the batch's items, or (None, None) without any. With
-    ``opts.buckets`` the patches are padded with zero patches to a bucket of merge units and the segment
-    gathers to power-of-two counts and bucketed lengths (``rope.pad_layout``), in one group: what the programs see
-    then depends on the buckets only."""
+    ``opts.buckets`` the patches are padded with zero patches to a power of two merge units and the segment
+    gathers to power-of-two counts and lengths (``rope.pad_layout``), in one group: what the programs see then
+    depends on a few powers of two only. Powers of two, not the text's finer buckets: a batch's patch count,
+    windows and longest frame vary together with its images, and each new combination is a compile of every
+    prefix program (measured, ``launch.bench_shapes``: steps 6-30 still compiled with 64-unit steps)."""
     if not len(grids):
         return None, None
     layout = rope.vision_layout(grids, cfg.vision)
     if opts.buckets is None:
         return pixel_values, layout.arrays(opts.groups)
     unit = cfg.vision.spatial_merge_size**2
-    units = opts.buckets.up(len(layout.window_index))
+    units = pow2(len(layout.window_index))
     layout = rope.pad_layout(layout, units, pow2(len(layout.window_gather)), cfg.vision.merger_window**2,
-                             pow2(len(layout.frame_gather)),
-                             opts.buckets.up(layout.frame_gather.shape[1], cap=units), unit)
+                             pow2(len(layout.frame_gather)), pow2(layout.frame_gather.shape[1], cap=units), unit)
     pad = np.zeros((units * unit - len(pixel_values), pixel_values.shape[1]), pixel_values.dtype)
     return np.concatenate([pixel_values, pad]), rope.single_group(layout)
 
