@@ -161,18 +161,22 @@ def _vision(cfg: ModelConfig, grids: np.ndarray, pixel_values, opts: InputOption
     """(pixel_values, ``vision_forward``'s layout arrays) of the batch's items, or (None, None) without any. With
     ``opts.buckets`` the patches are padded with zero patches to a power of two merge units and the segment
     gathers to power-of-two counts and lengths (``rope.pad_layout``), in one group: what the programs see then
-    depends on a few powers of two only. Powers of two, not the text's finer buckets: a batch's patch count,
-    windows and longest frame vary together with its images, and each new combination is a compile of every
-    prefix program (measured, ``launch.bench_shapes``: steps 6-30 still compiled with 64-unit steps)."""
+    depends on a few powers of two only, and the window count and the longest frame are tied to the unit count
+    (at least units / (window / 2) windows and units / 2 per frame, more only when the items need it): a batch's
+    patch count, windows and longest frame vary together with its images, and each new combination compiles every
+    prefix program again (measured, ``launch.bench_shapes``, WORKSPACE.md "Shape-stable batches"). The padding
+    costs little: window attention is a small part of a vision block, and full-frame attention runs at 4 of 32
+    blocks of Qwen2.5-VL."""
     if not len(grids):
         return None, None
     layout = rope.vision_layout(grids, cfg.vision)
     if opts.buckets is None:
         return pixel_values, layout.arrays(opts.groups)
     unit = cfg.vision.spatial_merge_size**2
-    units = pow2(len(layout.window_index))
-    layout = rope.pad_layout(layout, units, pow2(len(layout.window_gather)), cfg.vision.merger_window**2,
-                             pow2(len(layout.frame_gather)), pow2(layout.frame_gather.shape[1], cap=units), unit)
+    units, window = pow2(len(layout.window_index)), cfg.vision.merger_window**2
+    windows = max(pow2(len(layout.window_gather)), units // max(1, window // 2))  # windows half full on average
+    frame = max(pow2(layout.frame_gather.shape[1], cap=units), units // 2)
+    layout = rope.pad_layout(layout, units, windows, window, pow2(len(layout.frame_gather)), frame, unit)
     pad = np.zeros((units * unit - len(pixel_values), pixel_values.shape[1]), pixel_values.dtype)
     return np.concatenate([pixel_values, pad]), rope.single_group(layout)
 
