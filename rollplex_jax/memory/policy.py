@@ -17,11 +17,12 @@ from rollplex_jax.memory.meter import peak_row
 
 def data_lengths(cfg: Config, examples: Dataset) -> planner.Lengths:
     """The planner's lengths for this run: the dataset's longest prompt and most vision tokens (from the
-    load-time metadata: no line or pixel is read), the longest answer the rollout may sample."""
+    load-time metadata: no line or pixel is read), the longest answer the rollout may sample; each as the
+    programs hold it under ``--shape_buckets`` (``Lengths.bucketed``)."""
     prompt, vision = int(examples.prompt_lengths.max()), int(examples.vision_tokens.max())
     return planner.Lengths(prompt, vision, cfg.rollout.max_new_tokens,
                            source=f"the training set's longest prompt ({prompt} tokens, {vision} vision tokens) "
-                                  f"and --max_new_tokens ({cfg.rollout.max_new_tokens})")
+                                  f"and --max_new_tokens ({cfg.rollout.max_new_tokens})").bucketed(cfg)
 
 
 def plan_run(cfg: Config, lengths: planner.Lengths, policy: str) -> planner.Plan:

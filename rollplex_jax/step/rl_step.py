@@ -28,6 +28,7 @@ import numpy as np
 from rollplex_contract.batch import Engine, Prompts, Rollouts, SamplingParams
 from rollplex_jax.config import Config
 from rollplex_jax.config.shapes import step_shapes
+from rollplex_jax.models.qwen2_5_vl.packing import to_device
 from rollplex_jax.parallel.multihost import Processes, gather_rollouts, gather_scores, share
 from rollplex_jax.programs.actor import Programs
 from rollplex_jax.programs.sequences import mini_batch_rows, pad_answers, select_rows
@@ -248,14 +249,14 @@ def _learn(ctx: StepContext, state: TrainState, ops: Ops, out: _Sampled, run: _S
     _mark(ctx, "score", state.params, state.opt_state, state.ref_params, ops)
     ops.after_ref()
     penalized = jnp.asarray(rewards)
-    mask = jnp.asarray(rollouts.mask.reshape(b * g, tr))
+    mask = to_device(rollouts.mask.reshape(b * g, tr))
     kl_reward = cfg.rl.kl_mode == "reward" and ref_logp is not None
     old = ops.logp(state.params) if kl_reward or cfg.rl.mini_batches > 1 else None
     if kl_reward:
         penalized = losses.kl_penalized_rewards(penalized, old.reshape(b, g, tr), ref_logp.reshape(b, g, tr),
                                                 mask.reshape(b, g, tr), cfg.rl.kl_coef, cfg.rl.kl_estimator)
     adv = adv_lib.compute_advantages(penalized, cfg.rl.advantage, norm_by_std=cfg.rl.norm_by_std)
-    engine = jnp.asarray(rollouts.logprobs.reshape(b * g, tr), jnp.float32)
+    engine = to_device(rollouts.logprobs.reshape(b * g, tr), np.float32)
     metrics = {**step_metrics.reward_metrics(rewards, parts, out.scores.failures),
                **step_metrics.length_metrics(cfg.model, prompts, rollouts),
                **step_metrics.prefill_metrics(prompts, rollouts), **step_metrics.padding_metrics(ops.slots()),

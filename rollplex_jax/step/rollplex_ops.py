@@ -31,6 +31,7 @@ from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
 from rollplex_jax.config.shapes import step_shapes
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
+from rollplex_jax.models.qwen2_5_vl.packing import to_device
 from rollplex_jax.programs.sequences import (
     answer_blocks,
     input_options,
@@ -121,7 +122,7 @@ class RollplexOps:
         if (p0, p1) not in self._cache:
             emb = None
             if self.emb is not None:
-                emb = self.emb[jnp.asarray(vision_token_rows(self.cfg.model, self.rows, range(p0, p1)))]
+                emb = self.emb[to_device(vision_token_rows(self.cfg.model, self.rows, range(p0, p1)))]
             self._cache[(p0, p1)] = (self._prepare(p0, p1), emb)
         return self._cache[(p0, p1)]
 
@@ -210,7 +211,7 @@ class RollplexOps:
         use_res = version == self.version and res is not None and (m0, m1) == (res.q0, res.rows.stop)
         acc, parts, ct = None, [], None
         for blk in answer_blocks(m0, m1, self.n, self.micro):
-            ans = t.answers(jnp.asarray(self.resp[blk.index]), (slice(blk.p0 - m0, blk.p1 - m0),
+            ans = t.answers(to_device(self.resp[blk.index]), (slice(blk.p0 - m0, blk.p1 - m0),
                                                                  slice(blk.a0, blk.a1)), blk.index)
             if use_res:
                 res.check(version, "actor update")

@@ -253,4 +253,6 @@ def test_program_config_is_validated():
     with pytest.raises(ValueError, match="programs.remat"):
         ProgramConfig(remat="all")
     assert dataclasses.asdict(ProgramConfig()) == dict(attention="blockwise", attention_block=512, remat="layer",
-                                                    packing=True)
+                                                    packing=True, shape_buckets="64:512:1.25")
+    with pytest.raises(ValueError, match="STEP:LINEAR_UNTIL:RATIO"):
+        ProgramConfig(shape_buckets="64")

@@ -192,13 +192,15 @@ def block_temp(m: ModelConfig, n: int, pm: ProgramModel, segment: int | None = N
 
 
 def prefix_residual_bytes(m: ModelConfig, rows: int, prompt_tokens: int, vision_tokens: int,
-                          pm: ProgramModel = DENSE_PROGRAMS, *, tp: int = 1, vision: bool = True) -> float:
+                          pm: ProgramModel = DENSE_PROGRAMS, *, tp: int = 1, vision: bool = True,
+                          text_rows: float | None = None) -> float:
     """Bytes of the actor prefix's vjp residuals on one device of a tp group: saved activations of ``rows``
-    prompts; the weights are not among them."""
+    prompts (in ``text_rows`` rows where packed; default ``rows``); the weights are not among them."""
     unit = m.vision.spatial_merge_size**2
     vision = vision and vision_tokens > 0  # no patches: the vision tower does not run
     n = rows * vision_tokens * unit if vision else 0
-    return saved_activations(m, Pass(rows, prompt_tokens, prompt_tokens, n), pm, tp=tp)
+    t = rows if text_rows is None else text_rows
+    return saved_activations(m, Pass(t, prompt_tokens, prompt_tokens, n), pm, tp=tp)
 
 
 def backward_carry(m: ModelConfig, tokens: float, patches: float, tp: int = 1) -> float:

@@ -47,13 +47,14 @@ def _kv_row(m: ModelConfig, Tp: int, tp: int) -> float:
             + split_dim(x.vocab_size, tp) * F32)
 
 
-def _prefix_backward(m: ModelConfig, r: float, Tp: int, patches: float, pm: ProgramModel, tp: int) -> float:
-    """Working set of the prefix's backward over r rows and their patches: a text layer's and a vision block's
-    together (measured with aot at scale_cpu: its temp is about the sum of the two, not the larger one), what
-    the recomputed layer saves, and the per-layer carry."""
-    n = r * patches
-    return (BWD_FACTOR * (layer_temp(m, r, Tp, Tp, pm, tp) + block_temp(m, n, pm, patches, tp))
-            + one_layer_saved(m, r, Tp, Tp, n, pm, tp) + backward_carry(m, r * Tp, n, tp))
+def _prefix_backward(m: ModelConfig, r: float, Tp: int, patches: float, pm: ProgramModel, tp: int,
+                     lengths: Lengths) -> float:
+    """Working set of the prefix's backward over r prompts (``rows.packed`` text rows) and their patches: a text
+    layer's and a vision block's together (measured with aot at scale_cpu: its temp is about the sum of the
+    two, not the larger one), what the recomputed layer saves, and the per-layer carry."""
+    n, t = r * patches, rows.packed(r, lengths)
+    return (BWD_FACTOR * (layer_temp(m, t, Tp, Tp, pm, tp) + block_temp(m, n, pm, patches, tp))
+            + one_layer_saved(m, t, Tp, Tp, n, pm, tp) + backward_carry(m, t * Tp, n, tp))
 
 
 def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s: Sizes) -> dict:
@@ -70,8 +71,9 @@ def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramMode
     parts = [rows.per_device(p1 - p0, mesh) for p0, p1 in rows.actor_parts(cfg)]
     res_rows = parts[0]
     mb_rows = rows.per_device(max(1, planned_micro_batch(cfg) // rows.answers_per_row(cfg)), mesh)
-    prefix_fwd = (2 * Bp * Tp * x.hidden_size * b
-                  + max(layer_temp(m, Bp, Tp, Tp, pm, tp), block_temp(m, nv, pm, Tv * v.spatial_merge_size**2, tp)
+    Bt, mb_t = rows.packed(Bp, lengths), rows.packed(mb_rows, lengths)  # the text rows the prefix programs run
+    prefix_fwd = (2 * Bt * Tp * x.hidden_size * b
+                  + max(layer_temp(m, Bt, Tp, Tp, pm, tp), block_temp(m, nv, pm, Tv * v.spatial_merge_size**2, tp)
                         + 2 * nv * v.hidden_size * b))
     r_s = rows.micro_batch_rows(cfg, mesh)  # answer rows per micro-batch per device
     # scoring: the fp32 logits and one fp32 temporary per logit (log-softmax fused; measured with aot)
@@ -81,14 +83,14 @@ def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramMode
                     + BWD_FACTOR * layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)
                     + one_layer_saved(m, r_s, Tr, Tp + Tr, 0, pm, tp)
                     + r_s * s.logits_row * Tr * (2 * F32 + b + 2 * F32))
-    recompute = (saved_activations(m, Pass(mb_rows, Tp, Tp, mb_rows * patches, patches or None), pm, tp)
-                 + max(suffix_train, _prefix_backward(m, mb_rows, Tp, patches, pm, tp)))
+    recompute = (saved_activations(m, Pass(mb_t, Tp, Tp, mb_rows * patches, patches or None), pm, tp)
+                 + max(suffix_train, _prefix_backward(m, mb_rows, Tp, patches, pm, tp, lengths)))
     kv_row = _kv_row(m, Tp, tp)
     # every gradient program also holds one gradient-sized buffer (the micro-batch's, or the prefix part's,
     # before it is added to the accumulator) and the FSDP-gathered weights (``shards``)
     grad_extra = s.compute + s.gathered.all
     # the boundary cotangents accumulated over the micro-batches (residual path: its rows' k, v, last)
-    first = (max(suffix_train, _prefix_backward(m, res_rows, Tp, patches, pm, tp)) + res_rows * kv_row
+    first = (max(suffix_train, _prefix_backward(m, res_rows, Tp, patches, pm, tp, lengths)) + res_rows * kv_row
              if residuals else recompute)
     # the actor suffix's log-probs: the reference's (scoring), and theta_k's for the old log-probs of several
     # mini-batches (the meter counts that program's temp in the score phase wherever it runs)
@@ -96,7 +98,8 @@ def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramMode
     return {
         "actor_kv": sum(parts) * kv_row,
         "ref_kv": Bp * kv_row if cfg.rl.uses_reference else 0.0,
-        "prefix_res": prefix_residual_bytes(m, res_rows, Tp, Tv, pm, tp=tp, vision=vision_in_prefix)
+        "prefix_res": prefix_residual_bytes(m, res_rows, Tp, Tv, pm, tp=tp, vision=vision_in_prefix,
+                                            text_rows=rows.packed(res_rows, lengths))
         if residuals else 0.0,
         "rollout": s.engine_tmp + prefix_fwd + s.gathered.forward,
         "score": suffix_score + s.gathered.text_forward if suffix_logp else 0.0,

@@ -12,14 +12,18 @@ config alone:
 - ``per_device``: rows a device holds of a program's rows. The programs constrain the rows of every block
   to be split over the batch shards (``layers.constrain_rows``) when the shards divide them; otherwise the
   rows stay whole on every device (GSPMD may split another dimension instead: whole is the upper bound).
-  A suffix micro-batch [prefix rows, answers] splits its prefix rows, or else its answers.
+  A suffix micro-batch [prefix rows, answers] splits its prefix rows, or else its answers;
+- ``packed``: rows the prefix programs run for a device's prompts where shape buckets pad each row past the
+  longest prompt and packing fills it (the boundary KV stays one row per prompt).
 """
 
 from __future__ import annotations
 
+import math
+
 from rollplex_jax.config import Config
-from rollplex_jax.config.shapes import planned_micro_batch
-from rollplex_jax.memory.planner.types import PlanMesh, split_dim
+from rollplex_jax.config.shapes import planned_micro_batch, pow2
+from rollplex_jax.memory.planner.types import Lengths, PlanMesh, split_dim
 
 
 def prefix_rows_total(cfg: Config) -> int:
@@ -65,6 +69,13 @@ def input_copies(cfg: Config) -> tuple[float, float]:
 def per_device(rows: int, mesh: PlanMesh) -> float:
     """Rows one device holds of a program's ``rows``: split over the batch shards where they divide them."""
     return split_dim(rows, mesh.batch_shards)
+
+
+def packed(rows: float, lengths: Lengths) -> float:
+    """Rows the prefix programs run for ``rows`` prompts on a device: the prompts packed
+    ``lengths.prompts_per_row`` to a row, in a power of two rows (``packing.pack_layout(stable=True)``)."""
+    k = lengths.prompts_per_row
+    return rows if k <= 1 else float(pow2(math.ceil(rows / k), cap=max(1, math.ceil(rows))))
 
 
 def micro_batch_rows(cfg: Config, mesh: PlanMesh) -> float:

@@ -40,6 +40,7 @@ import functools
 import math
 
 from rollplex_jax.config import Config, ModelConfig
+from rollplex_jax.config.shapes import pow2, step_shapes
 from rollplex_jax.memory.classes import PHASES
 
 LAYOUTS = ("naive_colocation", "rollplex")
@@ -114,6 +115,9 @@ class Lengths:
     vision_tokens: int
     response_tokens: int
     source: str = "given"
+    # prompts one prefix row of ``prompt_tokens`` slots holds: > 1 where shape buckets pad the rows past the
+    # longest prompt and packing fills them (``bucketed``); the prefix programs then run fewer rows (``rows.packed``)
+    prompts_per_row: int = 1
 
     def __post_init__(self):
         if self.prompt_tokens < 1 or self.response_tokens < 1:
@@ -148,7 +152,25 @@ class Lengths:
         source.append(f"prompt tokens = {'--plan_prompt_tokens' if prompt_tokens is not None else 'max_prompt_len'}"
                       f" ({p}), answer tokens = "
                       f"{'--plan_response_tokens' if response_tokens is not None else 'max_new_tokens'} ({r})")
-        return cls(prompt_tokens=p, vision_tokens=vision_tokens, response_tokens=r, source="; ".join(source))
+        return cls(prompt_tokens=p, vision_tokens=vision_tokens, response_tokens=r,
+                   source="; ".join(source)).bucketed(cfg)
+
+    def bucketed(self, cfg: Config) -> Lengths:
+        """The lengths the run's programs hold under ``--shape_buckets`` (``config/shapes.py``): the prompt
+        rounded up to its bucket (at most ``max_prompt_len``), the vision tokens to a power of two (the model
+        pads a batch's merge units to one, ``models/qwen2_5_vl/model._vision``), at most the prompt, and with
+        ``--packing`` the prompts a padded prefix row holds (``packing.pack_layout(stable=True)`` packs the
+        prompts of a group into power-of-two rows); unchanged with buckets off."""
+        if cfg.programs.buckets is None:
+            return self
+        p = max(self.prompt_tokens, step_shapes(cfg).prompt_len(self.prompt_tokens))
+        v = min(pow2(self.vision_tokens), p) if self.vision_tokens else 0
+        k = p // self.prompt_tokens if cfg.programs.packing else 1
+        if (p, v, k) == (self.prompt_tokens, self.vision_tokens, 1):
+            return self
+        return dataclasses.replace(self, prompt_tokens=p, vision_tokens=v, prompts_per_row=k,
+                                   source=f"{self.source}; shape buckets: {p} prompt tokens, {v} vision tokens"
+                                          + (f", {k} prompts packed per prefix row" if k > 1 else ""))
 
 
 @dataclasses.dataclass(frozen=True)

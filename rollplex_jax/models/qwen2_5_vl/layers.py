@@ -99,3 +99,18 @@ def constrain_rows(x: jax.Array, dims: tuple[int, ...] = (0,)) -> jax.Array:
     if n == 1 or dim is None:
         return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*([None] * dim), "fsdp"))
+
+
+def constrain_kv(x: jax.Array) -> jax.Array:
+    """Keys or values [B, T, K, d] of padded rows: rows over ``fsdp`` and heads over ``tp`` where they divide
+    them, as the layer that computed them had them. Needed after a gather out of packed rows
+    (``packing.unpack_rows``), whose result GSPMD otherwise replicates (measured: the boundary KV of a
+    shape-bucketed prefix on fsdp 2 x tp 2 held twice its share per device). A no-op without a mesh."""
+    m = jax.sharding.get_abstract_mesh()
+    if m.empty:
+        return x
+    spec = [None] * x.ndim
+    for dim, axis in ((0, "fsdp"), (2, "tp")):
+        if axis in m.axis_names and m.shape[axis] > 1 and x.shape[dim] % m.shape[axis] == 0:
+            spec[dim] = axis
+    return x if not any(spec) else jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))

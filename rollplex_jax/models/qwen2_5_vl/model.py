@@ -44,7 +44,7 @@ from rollplex_jax.config.shapes import Buckets, pow2
 from rollplex_jax.models.attention import KVSource
 from rollplex_jax.models.qwen2_5_vl import packing as P
 from rollplex_jax.models.qwen2_5_vl import rope
-from rollplex_jax.models.qwen2_5_vl.layers import layer_params, rematerialise
+from rollplex_jax.models.qwen2_5_vl.layers import constrain_kv, layer_params, rematerialise
 from rollplex_jax.models.qwen2_5_vl.text import LayerInputs, decoder_layer, embed, final_norm, lm_logits
 from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
 
@@ -146,13 +146,13 @@ def prepare_inputs(
     pixel_values, layout = _vision(cfg, grids, pixel_values, opts)
     packed = P.pack_layout(attention_mask, opts.groups, stable=opts.buckets is not None) if opts.pack else None
     return ModelInputs(
-        input_ids=jnp.asarray(input_ids, jnp.int32),
-        attention_mask=jnp.asarray(attention_mask, jnp.int32),
-        token_types=jnp.asarray(types, jnp.int32),
-        positions=jnp.asarray(positions),
-        next_position=jnp.asarray(next_pos),
-        pixel_values=None if layout is None else jnp.asarray(pixel_values, jnp.float32),
-        layout=None if layout is None else {k: jnp.asarray(v) for k, v in layout.items()},
+        input_ids=P.to_device(input_ids, np.int32),
+        attention_mask=P.to_device(attention_mask, np.int32),
+        token_types=P.to_device(types, np.int32),
+        positions=P.to_device(positions),
+        next_position=P.to_device(next_pos),
+        pixel_values=None if layout is None else P.to_device(pixel_values, np.float32),
+        layout=None if layout is None else {k: P.to_device(v) for k, v in layout.items()},
         packing=None if packed is None else P.pack(input_ids, types, np.asarray(positions), packed),
     )
 
@@ -161,12 +161,13 @@ def _vision(cfg: ModelConfig, grids: np.ndarray, pixel_values, opts: InputOption
     """(pixel_values, ``vision_forward``'s layout arrays) of the batch's items, or (None, None) without any. With
     ``opts.buckets`` the patches are padded with zero patches to a power of two merge units and the segment
     gathers to power-of-two counts and lengths (``rope.pad_layout``), in one group: what the programs see then
-    depends on a few powers of two only, and the window count and the longest frame are tied to the unit count
-    (at least units / (window / 2) windows and units / 2 per frame, more only when the items need it): a batch's
-    patch count, windows and longest frame vary together with its images, and each new combination compiles every
-    prefix program again (measured, ``launch.bench_shapes``, WORKSPACE.md "Shape-stable batches"). The padding
-    costs little: window attention is a small part of a vision block, and full-frame attention runs at 4 of 32
-    blocks of Qwen2.5-VL."""
+    depends on a few powers of two only. The window count is tied to the unit count (at least units / (window / 2)
+    windows, more only when the items need it): a batch's patch count and windows vary together with its images,
+    and each new combination compiles every prefix program again (measured, ``launch.bench_shapes``, WORKSPACE.md
+    "Shape-stable batches"); the padded windows cost at most twice the window attention's slots. The longest frame
+    is not tied to the units (a floor of units / 2 saved 3 of 34 compiles in the bench but multiplied the
+    full-frame attention of a batch of 16 small images by 64): frames x frame length stays within 2x of the
+    units per frame."""
     if not len(grids):
         return None, None
     layout = rope.vision_layout(grids, cfg.vision)
@@ -175,7 +176,7 @@ def _vision(cfg: ModelConfig, grids: np.ndarray, pixel_values, opts: InputOption
     unit = cfg.vision.spatial_merge_size**2
     units, window = pow2(len(layout.window_index)), cfg.vision.merger_window**2
     windows = max(pow2(len(layout.window_gather)), units // max(1, window // 2))  # windows half full on average
-    frame = max(pow2(layout.frame_gather.shape[1], cap=units), units // 2)
+    frame = pow2(layout.frame_gather.shape[1], cap=units)
     layout = rope.pad_layout(layout, units, windows, window, pow2(len(layout.frame_gather)), frame, unit)
     pad = np.zeros((units * unit - len(pixel_values), pixel_values.shape[1]), pixel_values.dtype)
     return np.concatenate([pixel_values, pad]), rope.single_group(layout)
@@ -260,8 +261,8 @@ def prefix_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_e
         h_last = h.reshape(-1, h.shape[-1])[inputs.packing.unpack[jnp.arange(b), last]]
     last_logits = lm_logits(params, h_last, cfg)
     state = PrefixState(
-        k=jnp.stack([_to_rows(inputs, k) for k, _ in kvs]),
-        v=jnp.stack([_to_rows(inputs, v) for _, v in kvs]),
+        k=jnp.stack([constrain_kv(_to_rows(inputs, k)) for k, _ in kvs]),
+        v=jnp.stack([constrain_kv(_to_rows(inputs, v)) for _, v in kvs]),
         mask=inputs.attention_mask.astype(bool),
         next_position=inputs.next_position,
     )

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rollplex_jax.config.shapes import pow2
@@ -44,6 +43,15 @@ class Packing:
     positions: jax.Array
     segments: jax.Array
     unpack: jax.Array
+
+
+def to_device(x, dtype=None) -> jax.Array:
+    """A host array on the default device, as ``jnp.asarray(x, dtype)`` gives it, without compiling: jax 0.10's
+    ``jnp.asarray`` of a NumPy array compiles a small XLA program per new shape and dtype (measured: 3 per new
+    shape for an int64 -> int32, a float64 -> float32 and a plain copy), so under shape buckets every new bucket
+    compiled a dozen of them beside the step's real programs. ``jax.device_put`` of the converted array does not."""
+    x = np.asarray(x)
+    return jax.device_put(x.astype(jax.dtypes.canonicalize_dtype(x.dtype if dtype is None else dtype), copy=False))
 
 
 def next_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
@@ -97,9 +105,9 @@ def pack(input_ids: np.ndarray, token_types: np.ndarray, positions: np.ndarray, 
     ids[slot[real]] = input_ids[real]
     types[slot[real]] = token_types[real]
     pos[:, slot[real]] = positions[:, real]
-    return Packing(input_ids=jnp.asarray(ids.reshape(p, t)), token_types=jnp.asarray(types.reshape(p, t)),
-                   positions=jnp.asarray(pos.reshape(3, p, t)), segments=jnp.asarray(segments),
-                   unpack=jnp.asarray(np.where(real, slot, 0).astype(np.int32)))
+    return Packing(input_ids=to_device(ids.reshape(p, t)), token_types=to_device(types.reshape(p, t)),
+                   positions=to_device(pos.reshape(3, p, t)), segments=to_device(segments),
+                   unpack=to_device(np.where(real, slot, 0).astype(np.int32)))
 
 
 def unpack_rows(x: jax.Array, packing: Packing, window=None) -> jax.Array:
