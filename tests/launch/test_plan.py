@@ -202,8 +202,11 @@ def test_cli_json_format_and_overrides():
     assert len(r.stdout.strip().splitlines()) == 1
     out = json.loads(r.stdout)
     assert out["devices"] == 16
+    # planned as the programs hold them: a 1024-token prompt in the 1088 bucket (--shape_buckets 64:512:1.25:
+    # 512, 640, 832, 1088), 256 vision tokens a power of two already
     assert (out["lengths"]["prompt_tokens"], out["lengths"]["vision_tokens"], out["lengths"]["response_tokens"]) \
-        == (1024, 256, 128)
+        == (1088, 256, 128)
+    assert "shape buckets: 1088 prompt tokens" in out["lengths"]["source"]
     bad = _run_plan("--flagfile=configs/qwen2_5_vl_7b_8dev.flags", "--plan_devices=12")
     assert bad.returncode != 0 and "multiple of" in bad.stderr
 
