@@ -49,6 +49,14 @@ class Buckets:
                 b = -(-math.ceil(b * self.ratio) // self.step) * self.step
         return b if cap is None else max(n, min(b, int(cap)))
 
+    def between(self, lo: int, hi: int) -> list[int]:
+        """The buckets b with lo <= b <= hi, ascending."""
+        out, b = [], self.up(max(int(lo), 1))
+        while b <= hi:
+            out.append(b)
+            b = self.up(b + 1)
+        return out
+
 
 def parse_buckets(text: str) -> Buckets | None:
     """``STEP:LINEAR_UNTIL:RATIO`` -> ``Buckets``; ``off`` or empty -> None (exact shapes, a compile per new

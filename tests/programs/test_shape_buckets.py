@@ -64,6 +64,38 @@ def test_stable_packing_is_always_packed_into_power_of_two_rows():
     assert P.pack_layout(np.ones((3, 5), int), stable=True)[2] == 3  # capped at the rows
 
 
+def test_stable_packing_takes_the_row_length_with_the_fewest_slots():
+    mask = np.zeros((4, 8), int)
+    for r, n in enumerate([3, 8, 2, 5]):
+        mask[r, 8 - n:] = 1
+    slot, seg, p = P.pack_layout(mask, stable=True)  # rows of T = 8: 8 | 5 + 3 | 2 -> 3, 4 rows of 8 = 32 slots
+    assert (p, seg.shape[1]) == (4, 8)
+    assert slot[1][mask[1] > 0].min() == 0  # the longest row first (first-fit decreasing): not the batch's order
+    slot, seg, p = P.pack_layout(mask, stable=True, row_lengths=[24])  # 1 row of 24 (18 tokens) < 4 of 8
+    assert (p, seg.shape[1]) == (1, 24) and sorted(seg[0][seg[0] >= 0]) == [0] * 3 + [1] * 8 + [2] * 2 + [3] * 5
+    slot, seg, p = P.pack_layout(mask, stable=True, row_lengths=[12, 24])  # 8 + 3 | 5 + 2: a tie, the shorter
+    assert (p, seg.shape[1]) == (2, 12)
+    assert Buckets(4, 16, 1.5).between(9, 40) == [12, 16, 24, 36]
+
+
+def test_packed_rows_out_of_batch_order_keep_each_image_with_its_tokens(model):
+    """First-fit decreasing puts the second prompt (the longer, with the larger image) first in the packed row:
+    each placeholder still takes its own image's embedding (``Packing.vision_index``), not the next in the row."""
+    cfg, params, _ = model
+    inp = mm_inputs(cfg, [[5, ("image", (1, 4, 4)), 6], [10, 11, ("image", (1, 8, 8)), 12, 13, 14]],
+                    np.random.default_rng(3))
+    exact = M.prepare_inputs(cfg, **inp)
+    t = inp["input_ids"].shape[1]
+    packed = M.prepare_inputs(cfg, **inp, opts=M.InputOptions(pack=True, buckets=parse_buckets(SMALL)))
+    slot = np.asarray(packed.packing.unpack)
+    real = np.asarray(inp["attention_mask"]) > 0
+    assert packed.packing.segments.shape[0] == 2 and slot[1][real[1]].min() < slot[0][real[0]].min()
+    a = np.asarray(M.full_forward(params, cfg, exact))[real]
+    b = np.asarray(M.full_forward(params, cfg, packed))[real]
+    assert t == packed.input_ids.shape[1]
+    np.testing.assert_allclose(b, a, atol=TOL * max(1.0, float(np.abs(a).max())), rtol=0)
+
+
 @pytest.fixture(scope="module")
 def model():
     cfg = tiny_model_config()

@@ -94,12 +94,14 @@ class InputOptions:
     (``rope.group_layout``: every window gather within a device). ``pack``: the decoder runs on the rows' real
     tokens packed into fewer rows of the same length (``packing.py``) where that saves a row. ``buckets``
     (``--shape_buckets``): shape-stable inputs: the vision patches padded to a bucket (``_vision``; one group),
-    and with ``pack`` the rows always packed, into a power-of-two count of rows (``packing.pack_layout``)."""
+    and with ``pack`` the rows always packed, into a power-of-two count of rows of T or of a longer bucket up to
+    ``pack_cap``, whichever runs fewer slots (``packing.pack_layout``)."""
 
     vision_region: np.ndarray | None = None
     groups: int = 1
     pack: bool = False
     buckets: Buckets | None = None
+    pack_cap: int = 0  # the longest packed row with buckets (``--max_prompt_len`` + ``--max_new_tokens``)
 
 
 def prepare_inputs(
@@ -144,7 +146,8 @@ def prepare_inputs(
     positions, next_pos = rope.get_rope_index(input_ids, attention_mask, cfg, image_grid_thw, video_grid_thw,
                                               second_per_grid_ts, types)
     pixel_values, layout = _vision(cfg, grids, pixel_values, opts)
-    packed = P.pack_layout(attention_mask, opts.groups, stable=opts.buckets is not None) if opts.pack else None
+    packed = P.pack_layout(attention_mask, opts.groups, stable=opts.buckets is not None,
+                           row_lengths=_row_lengths(opts, attention_mask.shape[1])) if opts.pack else None
     return ModelInputs(
         input_ids=P.to_device(input_ids, np.int32),
         attention_mask=P.to_device(attention_mask, np.int32),
@@ -155,6 +158,11 @@ def prepare_inputs(
         layout=None if layout is None else {k: P.to_device(v) for k, v in layout.items()},
         packing=None if packed is None else P.pack(input_ids, types, np.asarray(positions), packed),
     )
+
+
+def _row_lengths(opts: InputOptions, t: int) -> list[int]:
+    """The packed row lengths beside T the shape buckets offer: every bucket in (T, ``opts.pack_cap``]."""
+    return [] if opts.buckets is None else opts.buckets.between(t + 1, opts.pack_cap)
 
 
 def _vision(cfg: ModelConfig, grids: np.ndarray, pixel_values, opts: InputOptions):
@@ -218,7 +226,8 @@ def _rows_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_em
         vision_embeds = encode_vision(params, cfg, inputs, prog=prog)
     pk = inputs.packing
     src = inputs if pk is None else pk
-    h = embed(params, cfg, src.input_ids, vision_embeds, src.token_types)[:, None]
+    h = embed(params, cfg, src.input_ids, vision_embeds, src.token_types,
+              None if pk is None else pk.vision_index)[:, None]
     cos, sin = rope.mrope_cos_sin(src.positions, cfg.text, h.dtype)
     if pk is None:
         valid, segments = inputs.attention_mask[:, None].astype(bool), None  # [B, 1, T]; left padding

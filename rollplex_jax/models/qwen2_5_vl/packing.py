@@ -35,7 +35,8 @@ class Packing:
     """A batch's real tokens packed into P rows of length T.
 
     input_ids, token_types, segments: [P, T] (segments: the padded row each token came from, -1 = padding);
-    positions: [3, P, T]; unpack: [B, T] flat index into P * T of each padded position (0 where padded).
+    positions: [3, P, T]; unpack: [B, T] flat index into P * T of each padded position (0 where padded);
+    vision_index: [P, T] the vision embedding of each placeholder (-1 elsewhere), as in the padded batch.
     """
 
     input_ids: jax.Array
@@ -43,6 +44,7 @@ class Packing:
     positions: jax.Array
     segments: jax.Array
     unpack: jax.Array
+    vision_index: jax.Array
 
 
 def to_device(x, dtype=None) -> jax.Array:
@@ -64,31 +66,63 @@ def next_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
     return rows
 
 
-def pack_layout(attention_mask: np.ndarray, groups: int = 1,
-                stable: bool = False) -> tuple[np.ndarray, np.ndarray, int] | None:
-    """(flat packed slot [B, T] of each real token, -1 elsewhere; segment ids [P, T]; P), or None when packing
+def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Packed row of each sequence: longest first, each into the first row with room (fewer rows than
+    ``next_fit``, in any order: ``Packing.vision_index`` keeps the vision tokens' batch order)."""
+    rows, used = np.zeros(len(lengths), np.int64), []
+    for i in np.argsort(-np.asarray(lengths), kind="stable"):
+        n = int(lengths[i])
+        r = next((j for j, u in enumerate(used) if u + n <= capacity), len(used))
+        if r == len(used):
+            used.append(0)
+        rows[i] = r
+        used[r] += n
+    return rows
+
+
+def _stable_rows(lengths: np.ndarray, groups: int, row_lengths) -> tuple[list[np.ndarray], int, int]:
+    """(packed row of each sequence per group, rows per group, row length): of the candidate ``row_lengths``
+    the one with the fewest slots (a power of two rows per group x the length; the shorter on a tie)."""
+    per = len(lengths) // groups
+    best = None
+    for length in sorted(set(int(c) for c in row_lengths)):
+        rows = [first_fit_decreasing(lengths[g * per:(g + 1) * per], length) for g in range(groups)]
+        p_group = pow2(max(int(r.max()) + 1 for r in rows), cap=per)
+        if best is None or p_group * length < best[1] * best[2]:
+            best = (rows, p_group, length)
+    return best
+
+
+def pack_layout(attention_mask: np.ndarray, groups: int = 1, stable: bool = False,
+                row_lengths=()) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """(flat packed slot [B, T] of each real token, -1 elsewhere; segment ids [P, L]; P), or None when packing
     saves no row. Rows are packed per group of B / groups consecutive rows (each group into the same count).
-    ``stable`` (shape buckets): always packed, each group into a power of two rows (at most its B / groups), the
-    rows beyond what the tokens need empty (segment -1): one program whatever the data."""
+    Without ``stable``: in row order (``next_fit``) into rows of the batch's length (L = T). ``stable`` (shape
+    buckets): always packed, each group into a power of two rows (at most its B / groups; the rows beyond what
+    the tokens need empty, segment -1), longest first (``first_fit_decreasing``), into rows of length T or of
+    one of ``row_lengths`` (> T: longer rows hold more sequences), whichever runs the fewest slots: measured
+    on ``launch.bench_shapes``'s prompts (4 per batch, 49-254 tokens), 37% of the slots padding with rows of T,
+    17% with a choice of rows up to ``--max_prompt_len`` (WORKSPACE.md, "Shape-stable batches")."""
     mask = np.asarray(attention_mask) > 0
     b, t = mask.shape
     groups = groups if groups > 1 and b % groups == 0 else 1
     per = b // groups
     lengths = mask.sum(1)
-    rows = [next_fit(lengths[g * per:(g + 1) * per], t) for g in range(groups)]
-    p_group = max(int(r.max()) + 1 for r in rows)  # every group holds b / groups >= 1 rows
     if stable:
-        p_group = pow2(p_group, cap=per)
-    elif p_group * groups >= b:
-        return None
+        rows, p_group, length = _stable_rows(lengths, groups, [t, *(c for c in row_lengths if c > t)])
+    else:
+        rows, length = [next_fit(lengths[g * per:(g + 1) * per], t) for g in range(groups)], t
+        p_group = max(int(r.max()) + 1 for r in rows)  # every group holds b / groups >= 1 rows
+        if p_group * groups >= b:
+            return None
     slot = np.full((b, t), -1, np.int64)
-    segments = np.full((p_group * groups, t), -1, np.int32)
+    segments = np.full((p_group * groups, length), -1, np.int32)
     for g, r in enumerate(rows):
         fill = np.zeros(p_group, np.int64)
         for i, pr in enumerate(r):
             row, packed_row, n = g * per + i, g * p_group + int(pr), int(lengths[g * per + i])
             start = fill[pr]
-            slot[row, mask[row]] = packed_row * t + start + np.arange(n)
+            slot[row, mask[row]] = packed_row * length + start + np.arange(n)
             segments[packed_row, start:start + n] = row
             fill[pr] += n
     return slot, segments, p_group * groups
@@ -97,17 +131,31 @@ def pack_layout(attention_mask: np.ndarray, groups: int = 1,
 def pack(input_ids: np.ndarray, token_types: np.ndarray, positions: np.ndarray, layout) -> Packing:
     """The ``Packing`` of padded host arrays [B, T] (positions [3, B, T]) under ``pack_layout``'s result."""
     slot, segments, p = layout
-    b, t = input_ids.shape
+    length = segments.shape[1]
     real = slot >= 0
-    ids = np.zeros(p * t, np.int32)
-    types = np.zeros(p * t, np.int32)
-    pos = np.zeros((3, p * t), positions.dtype)
+    ids = np.zeros(p * length, np.int32)
+    types = np.zeros(p * length, np.int32)
+    pos = np.zeros((3, p * length), positions.dtype)
+    vision = np.full(p * length, -1, np.int32)
     ids[slot[real]] = input_ids[real]
     types[slot[real]] = token_types[real]
     pos[:, slot[real]] = positions[:, real]
-    return Packing(input_ids=to_device(ids.reshape(p, t)), token_types=to_device(types.reshape(p, t)),
-                   positions=to_device(pos.reshape(3, p, t)), segments=to_device(segments),
-                   unpack=to_device(np.where(real, slot, 0).astype(np.int32)))
+    vision[slot[real]] = vision_order(token_types)[real]
+    return Packing(input_ids=to_device(ids.reshape(p, length)), token_types=to_device(types.reshape(p, length)),
+                   positions=to_device(pos.reshape(3, p, length)), segments=to_device(segments),
+                   unpack=to_device(np.where(real, slot, 0).astype(np.int32)),
+                   vision_index=to_device(vision.reshape(p, length)))
+
+
+def vision_order(token_types: np.ndarray) -> np.ndarray:
+    """[B, T] index of each placeholder's vision embedding (images row-major first, then videos; -1 for text):
+    the order ``text.embed`` assigns them in the padded batch."""
+    types = np.asarray(token_types)
+    img, vid = (types == 1), (types == 2)
+    flat_img, flat_vid = img.reshape(-1), vid.reshape(-1)
+    idx = np.where(flat_img, np.cumsum(flat_img) - 1,
+                   np.where(flat_vid, flat_img.sum() + np.cumsum(flat_vid) - 1, -1))
+    return idx.reshape(types.shape).astype(np.int32)
 
 
 def unpack_rows(x: jax.Array, packing: Packing, window=None) -> jax.Array:

@@ -87,18 +87,22 @@ def lm_logits(p: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def embed(p: dict, cfg: ModelConfig, input_ids: jax.Array, vision_embeds: jax.Array | None,
-          token_types: jax.Array | None = None) -> jax.Array:
+          token_types: jax.Array | None = None, vision_index: jax.Array | None = None) -> jax.Array:
     """Token embeddings with image/video pad tokens replaced by vision tokens, in order.
 
     Image pads (over the whole batch, row-major) take ``vision_embeds[:n_image]`` and video
     pads the rows after, as in transformers (images first, then videos). ``token_types``
-    (0 text, 1 image, 2 video) says which tokens are placeholders.
+    (0 text, 1 image, 2 video) says which tokens are placeholders; ``vision_index`` (packed rows, whose order
+    is not the batch's: ``packing.Packing``) which embedding each takes.
     """
     e = p["model.embed_tokens.weight"][input_ids]
     if vision_embeds is None:
         return e
     img = (token_types == 1).reshape(-1)
     vid = (token_types == 2).reshape(-1)
-    idx = jnp.where(img, jnp.cumsum(img) - 1, jnp.sum(img) + jnp.cumsum(vid) - 1)
+    if vision_index is not None:
+        idx = vision_index.reshape(-1)
+    else:
+        idx = jnp.where(img, jnp.cumsum(img) - 1, jnp.sum(img) + jnp.cumsum(vid) - 1)
     feats = vision_embeds[jnp.clip(idx, 0, vision_embeds.shape[0] - 1)].reshape(e.shape)
     return jnp.where((img | vid).reshape(input_ids.shape)[..., None], feats.astype(e.dtype), e)
