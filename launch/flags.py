@@ -267,6 +267,9 @@ _HELP = {
     "reward_failure": "On a reward exception/timeout: zero (count it in reward/failures) or raise (stop).",
     "mini_batches": "Optimizer steps per RL step (the batch split in this many mini-batches).",
     "micro_batch": "Sequences per forward/backward (gradient accumulation over micro-batches).",
+    "prompt_bucket_cap": "The longest prompt length (tokens) the shape buckets pad prompts to; 0 (default) = the "
+                         "training set's longest prompt, found at load, at most --max_prompt_len: data of one "
+                         "prompt length is never padded past it.",
     "micro_batch_tokens": "Token budget per device of one scoring / training micro-batch (verl's "
                           "ppo_max_token_len_per_gpu): each micro-batch holds as many whole sequences as fit this many "
                           "(bucketed) token slots, so its shape is fixed by the budget, not by the data; 0 = "

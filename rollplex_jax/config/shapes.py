@@ -113,8 +113,10 @@ class StepShapes:
 
 
 def step_shapes(cfg: Config) -> StepShapes:
-    """The run's ``StepShapes`` (lengths capped at ``--max_prompt_len`` / ``--max_new_tokens``)."""
-    return StepShapes(cfg.programs.buckets, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, cfg.rl.micro_batch,
+    """The run's ``StepShapes`` (lengths capped at ``--prompt_bucket_cap`` (else ``--max_prompt_len``) and
+    ``--max_new_tokens``)."""
+    cap = min(cfg.data.prompt_bucket_cap or cfg.data.max_prompt_len, cfg.data.max_prompt_len)
+    return StepShapes(cfg.programs.buckets, cap, cfg.rollout.max_new_tokens, cfg.rl.micro_batch,
                       cfg.rl.micro_batch_tokens)
 
 

@@ -66,6 +66,9 @@ class DataConfig:
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     max_prompt_len: int = 2048
+    # the longest prompt length the shape buckets pad to (0: the training set's longest prompt, resolved by the
+    # runner at load, at most max_prompt_len): a data set of one prompt length is never padded past it
+    prompt_bucket_cap: int = 0
     image_cache_mb: int = 1024  # per dataset: preprocessed patches of recently used images (0 = none)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -93,6 +96,8 @@ class DataConfig:
         _require(self.max_pixels >= self.min_pixels, "data.max_pixels", self.max_pixels,
                  f"must be >= min_pixels={self.min_pixels}")
         _require(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "must be > 0")
+        _require(self.prompt_bucket_cap >= 0, "data.prompt_bucket_cap", self.prompt_bucket_cap,
+                 "must be >= 0 (0 = the training set's longest prompt)")
         _choice("data", "synthetic_task", self.synthetic_task, SYNTHETIC_TASKS)
         _require(self.synthetic_n > 0, "data.synthetic_n", self.synthetic_n, "must be > 0")
         _require(self.synthetic_image_size >= 56, "data.synthetic_image_size", self.synthetic_image_size,
