@@ -270,6 +270,20 @@ _HELP = {
     "prompt_bucket_cap": "The longest prompt length (tokens) the shape buckets pad prompts to; 0 (default) = the "
                          "training set's longest prompt, found at load, at most --max_prompt_len: data of one "
                          "prompt length is never padded past it.",
+    "vision_chunk_units": "Merge units (vision tokens) each device encodes per vision chunk: with shape buckets "
+                          "the Rollplex prefix encodes a batch's images and video frames in chunks of this fixed "
+                          "shape, one part per --train_fsdp device (their number varies, their shape does not; an "
+                          "image larger than a part gets a chunk of its own, a power of two up); 0 (default) = the "
+                          "larger of the training set's largest image or frame and a device's share of a batch's "
+                          "mean vision tokens, rounded up to a power of two; -1 = off: the vision tower runs "
+                          "inside each prefix program, padded to a power of two (a new program for each new "
+                          "combination of sizes).",
+    "vision_batch_units": "Rows of a batch's vision-embeddings buffer (vision chunks): 0 (default) = twice the "
+                          "vision tokens of --batch_prompts of the training set's largest rows, plus a chunk (all "
+                          "its parts).",
+    "vision_frame_units": "Length (merge units) of a vision chunk's full-attention rows, which hold whole frames "
+                          "told apart by segment ids: 0 (default) = the training set's largest image or frame, "
+                          "rounded up to a power of two.",
     "micro_batch_tokens": "Token budget per device of one scoring / training micro-batch (verl's "
                           "ppo_max_token_len_per_gpu): each micro-batch holds as many whole sequences as fit this many "
                           "(bucketed) token slots, so its shape is fixed by the budget, not by the data; 0 = "

@@ -94,6 +94,13 @@ class StepShapes:
     def prompt_len(self, n: int) -> int:
         return n if self.buckets is None else self.buckets.up(n, cap=self.prompt_cap)
 
+    def prefix_len(self, n: int) -> int:
+        """The Rollplex prefix rows' padded length: the cap itself (at least ``n``), one boundary length for the run,
+        so the suffix programs and the prefix's padded layout never change shape with the batch (the decoder runs
+        on the packed rows: the padding costs the boundary's gathers and the suffix's masked keys, not decoder
+        slots; measured on ``launch.bench_shapes``: 8 of its 17 late compiles were a new prompt bucket)."""
+        return n if self.buckets is None else max(n, self.prompt_cap)
+
     def answer_len(self, n: int) -> int:
         return n if self.buckets is None else self.buckets.up(n, cap=self.answer_cap)
 
@@ -129,3 +136,78 @@ def planned_micro_batch(cfg: Config) -> int:
     if not s.micro_batch_tokens or cfg.run.schedule == "serial":
         return s.serial_rows(tp + tr)
     return s.answers(tp, tr, cfg.rollout.group_size if cfg.run.prefix_sharing else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionChunkSizes:
+    """A run's vision chunk settings (``--vision_chunk_units``, ``--vision_frame_units``, ``--vision_batch_units``)."""
+
+    chunk_units: int
+    frame_units: int
+    batch_units: int
+
+
+def vision_chunk_sizes(cfg: Config, largest_frame: int, mean_tokens: float, max_tokens: int) -> VisionChunkSizes:
+    """The vision chunk settings left to the data (0) resolved from a training set's (or the planner's) vision
+    tokens: a device's part of a chunk holds its largest frame and, up to one prompt's tokens
+    (``--max_prompt_len``), a device's share of a mean batch (a power of two: one-size small data encodes a batch
+    in one chunk; at scale a call's working set stays about one prompt's, as the prefix programs' was), a
+    full-attention row its largest frame (a power of two), the buffer twice a batch of its largest rows plus a
+    chunk (first-fit leaves every part but one at least half full). Rows: the step's prefix rows (one per prompt
+    with prefix sharing), split over the batch shards (``--train_fsdp``)."""
+    d = cfg.data
+    rows = cfg.rl.batch_prompts * (1 if cfg.run.prefix_sharing else cfg.rollout.group_size)
+    shards = cfg.mesh.train_fsdp
+    share = min(math.ceil(rows * mean_tokens / shards), d.max_prompt_len)
+    units = d.vision_chunk_units or pow2(max(largest_frame, share))
+    return VisionChunkSizes(units, d.vision_frame_units or pow2(largest_frame),
+                            d.vision_batch_units or 2 * rows * max_tokens + units * shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSpec:
+    """A chunk: ``groups`` parts (one per batch shard, ``--train_fsdp``: the mesh splits a chunk's parts over its
+    devices), each of ``units`` merge units and ``windows`` attention windows; the rows of the batch's embeddings
+    buffer (a multiple of a chunk's units) and the length of a full-attention row (``frame``: the largest frame,
+    a power of two): fixed for a run (``--vision_chunk_units``, ``--vision_batch_units``, ``--vision_frame_units``)."""
+
+    units: int
+    windows: int
+    buffer: int
+    frame: int
+    groups: int = 1
+
+    @property
+    def chunk_units(self) -> int:
+        """Merge units of a whole chunk (all its parts)."""
+        return self.units * self.groups
+
+    @classmethod
+    def for_run(cls, chunk_units: int, batch_units: int, window_units: int, frame_units: int = 0,
+                groups: int = 1) -> ChunkSpec:
+        units = pow2(chunk_units)
+        frame = min(units, pow2(frame_units)) if frame_units > 0 else units
+        whole = units * groups
+        return cls(units, windows_for(units, window_units), -(-max(batch_units, whole) // whole) * whole, frame,
+                   groups)
+
+
+def windows_for(units: int, window_units: int) -> int:
+    """Windows of a chunk of ``units``: half-full windows on average (an item of h x w merge units has
+    ceil(h / m) x ceil(w / m) windows of m x m)."""
+    return pow2(-(-2 * units // max(1, window_units)))
+
+
+def vision_chunk_spec(cfg: Config, sizes: VisionChunkSizes | None = None) -> ChunkSpec | None:
+    """The run's vision chunks (``models/qwen2_5_vl/vision_chunks.py``) with shape buckets: from the config's
+    settings (resolved from the training set by the runner) or ``sizes`` (the planner's, from its lengths), one
+    part per batch shard; None without buckets, with ``--vision_chunk_units=-1`` or while unresolved (the vision
+    tower inside the prefix programs)."""
+    d = cfg.data
+    if cfg.programs.buckets is None or d.vision_chunk_units < 0:
+        return None
+    s = sizes or VisionChunkSizes(d.vision_chunk_units, d.vision_frame_units, d.vision_batch_units)
+    if s.chunk_units <= 0:
+        return None
+    return ChunkSpec.for_run(s.chunk_units, s.batch_units, cfg.model.vision.merger_window**2, s.frame_units,
+                             cfg.mesh.train_fsdp)

@@ -69,6 +69,14 @@ class DataConfig:
     # the longest prompt length the shape buckets pad to (0: the training set's longest prompt, resolved by the
     # runner at load, at most max_prompt_len): a data set of one prompt length is never padded past it
     prompt_bucket_cap: int = 0
+    # merge units each fsdp device encodes per vision chunk (fixed-shape vision micro-batches of the Rollplex
+    # prefix, models/qwen2_5_vl/vision_chunks.py; with shape buckets): 0 = resolved by the runner at load
+    # (config/shapes.vision_chunk_sizes: the set's largest frame or a device's share of a mean batch, a power of
+    # two); -1 = off (the tower inside each prefix program). vision_batch_units: rows of a batch's embeddings
+    # buffer (0 = resolved at load from the set's most vision tokens in a row)
+    vision_chunk_units: int = 0
+    vision_batch_units: int = 0
+    vision_frame_units: int = 0  # full-attention row length in a chunk (0 = the set's largest frame, a power of 2)
     image_cache_mb: int = 1024  # per dataset: preprocessed patches of recently used images (0 = none)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -98,6 +106,12 @@ class DataConfig:
         _require(self.max_prompt_len > 0, "data.max_prompt_len", self.max_prompt_len, "must be > 0")
         _require(self.prompt_bucket_cap >= 0, "data.prompt_bucket_cap", self.prompt_bucket_cap,
                  "must be >= 0 (0 = the training set's longest prompt)")
+        _require(self.vision_chunk_units >= -1, "data.vision_chunk_units", self.vision_chunk_units,
+                 "must be >= -1 (0 = from the training set, -1 = off)")
+        _require(self.vision_batch_units >= 0, "data.vision_batch_units", self.vision_batch_units,
+                 "must be >= 0 (0 = from the training set)")
+        _require(self.vision_frame_units >= 0, "data.vision_frame_units", self.vision_frame_units,
+                 "must be >= 0 (0 = from the training set)")
         _choice("data", "synthetic_task", self.synthetic_task, SYNTHETIC_TASKS)
         _require(self.synthetic_n > 0, "data.synthetic_n", self.synthetic_n, "must be > 0")
         _require(self.synthetic_image_size >= 56, "data.synthetic_image_size", self.synthetic_image_size,

@@ -232,6 +232,14 @@ class Dataset(Sequence):
         return self._rows.vision_tokens[self._index]
 
     @property
+    def largest_frame_tokens(self) -> int:
+        """Merged vision tokens of the largest image or video frame among the loaded rows (0 without any)."""
+        r = self._rows
+        hw = [r.image_hw.reshape(-1, 2), r.video_thw.reshape(-1, 3)[:, 1:]]
+        sizes = np.concatenate([np.prod(a.astype(np.int64), axis=1) for a in hw])
+        return int(sizes.max()) // r.vision.spatial_merge_size**2 if len(sizes) else 0
+
+    @property
     def cache(self) -> PatchCache:
         return self._rows.cache
 

@@ -33,6 +33,14 @@ vjp would copy the weights. ``ResidualPrefix`` returns only the residuals that a
 | ``add_cotangent``           | the accumulator | adds a micro-batch's boundary cotangents at its rows       |
 | ``prefix_vjp``              | nothing         | params + residuals + boundary cotangents -> prefix grads   |
 | ``grads_recompute``         | nothing         | a micro-batch's gradient with its prefix recomputed inside |
+| ``vision_into``             | the buffer      | a vision chunk encoded into the batch's embeddings buffer  |
+| ``vision_grads``            | the accumulator | adds a vision chunk's tower gradient (buffer's cotangent)  |
+
+With chunked vision (``models/qwen2_5_vl/vision_chunks.py``, the default under shape buckets) the tower runs
+apart, in fixed-shape chunks, into one embeddings buffer: the prefix programs take the buffer (``emb``) and
+their inputs' ``vision_slots``; the actor's prefix vjp and ``grads_recompute`` also return the buffer's
+cotangent, which ``vision_grads`` takes through the tower chunk by chunk (its forward recomputed: one more
+vision forward per chunk, no vision residuals held between the programs).
 """
 
 from __future__ import annotations
@@ -100,7 +108,10 @@ class ResidualPrefix:
         self.program = jax.jit(self._run, compiler_options=compiler_options(prog.remat))
 
     def _run(self, params, inputs, emb):
-        (k, v, last), vjp = jax.vjp(lambda p: _prefix(self.cfg, self.prog, p, inputs, emb), params)
+        if inputs.vision_slots is None:  # vision inside (or frozen embeddings): the params' cotangent only
+            (k, v, last), vjp = jax.vjp(lambda p: _prefix(self.cfg, self.prog, p, inputs, emb), params)
+        else:  # chunked vision: the embeddings' cotangent too (``vision_grads`` takes it to the tower)
+            (k, v, last), vjp = jax.vjp(lambda p, e: _prefix(self.cfg, self.prog, p, inputs, e), params, emb)
         leaves, treedef = jax.tree_util.tree_flatten(vjp)
         by_id = {id(a): name for name, a in params.items()}
         names = tuple(by_id.get(id(leaf)) for leaf in leaves)
@@ -124,13 +135,13 @@ class ResidualPrefix:
 
 
 def _prefix_vjp(cfg, meta, params, kept, gk, gv, glast):
-    """The prefix's gradient w.r.t. params from its boundary cotangents; the vjp rebuilt from ``kept`` and
-    the params (``meta``: static, see ``ResidualPrefix``)."""
+    """(the prefix's gradient w.r.t. params, w.r.t. the vision embeddings' buffer or None) from its boundary
+    cotangents; the vjp rebuilt from ``kept`` and the params (``meta``: static, see ``ResidualPrefix``)."""
     treedef, names = meta
     it = iter(kept)
     leaves = [params[name] if name is not None else next(it) for name in names]
-    (grads,) = jax.tree_util.tree_unflatten(treedef, leaves)((gk, gv, glast))
-    return constrain_like_params(grads, cfg)
+    cts = jax.tree_util.tree_unflatten(treedef, leaves)((gk, gv, glast))
+    return constrain_like_params(cts[0], cfg), (cts[1] if len(cts) > 1 else None)
 
 
 def _one_hot(size: int, p0, rows: int, dtype) -> jax.Array:
@@ -202,14 +213,43 @@ def _add_cotangent(acc, g, p0):
 
 
 def _grads_recompute(spec: Spec, params, inputs, vision_embeds, answers: Answers):
-    """A micro-batch's gradient with its prefix forward recomputed inside (``inputs``: its prompt rows)."""
-    def loss_fn(p):
-        k, v, last = _prefix(spec.model, spec.prog, p, inputs, vision_embeds)
+    """(gradient, metrics, the vision embeddings buffer's cotangent or None) of a micro-batch with its prefix
+    forward recomputed inside (``inputs``: its prompt rows; chunked vision: the buffer's cotangent goes on to
+    ``vision_grads``)."""
+    def loss_fn(p, e):
+        k, v, last = _prefix(spec.model, spec.prog, p, inputs, e)
         rows = BoundaryRows(k, v, last, inputs.attention_mask.astype(bool), inputs.next_position)
         return _suffix_loss(spec, p, rows, answers)
 
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return constrain_like_params(grads, spec.model), metrics
+    chunked = inputs.vision_slots is not None
+    (_, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1) if chunked else 0, has_aux=True)(
+        params, vision_embeds)
+    grads, d_emb = grads if chunked else (grads, None)
+    return constrain_like_params(grads, spec.model), metrics, d_emb
+
+
+def _vision_part(params) -> tuple[dict, dict]:
+    """(the vision tower's params, the others)."""
+    vis = {k: v for k, v in params.items() if k.startswith("visual.")}
+    return vis, {k: v for k, v in params.items() if k not in vis}
+
+
+def _vision_grads(cfg: ModelConfig, prog: ProgramConfig, acc, params, vin, d_buffer, offset):
+    """``acc`` (a params-shaped gradient, donated) plus the vision tower's gradient from one chunk
+    (``vision_chunks.VisionInputs``) and the cotangent of the embeddings buffer at its rows [offset, offset +
+    units): the tower's forward recomputed, then its vjp."""
+    vis, rest = _vision_part(params)
+    d = jax.lax.dynamic_slice_in_dim(d_buffer, offset, vin.layout["window_index"].size, axis=0)
+    _, vjp = jax.vjp(lambda v: encode_vision({**rest, **v}, cfg, vin, prog=prog), vis)
+    g = vjp(d)[0]
+    return constrain_like_params({k: acc[k] + g[k] if k in g else acc[k] for k in acc}, cfg)
+
+
+def _vision_into(cfg: ModelConfig, prog: ProgramConfig, params, vin, buffer, offset):
+    """The embeddings buffer (donated) with one chunk's embeddings under ``params`` written at its rows
+    [offset, offset + units)."""
+    emb = encode_vision(params, cfg, vin, prog=prog)
+    return jax.lax.dynamic_update_slice_in_dim(buffer, emb.astype(buffer.dtype), offset, axis=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +261,9 @@ class SplitPrograms:
     suffix_grads: Callable  # (size, params, rows: BoundaryRows, p0, answers: Answers) -> (grads, (gk, gv, glast), m)
     add_cotangent: Callable
     prefix_vjp: Callable  # (meta, params, kept, gk, gv, glast)
-    grads_recompute: Callable  # (params, inputs, emb, answers: Answers) -> (grads, metrics)
+    grads_recompute: Callable  # (params, inputs, emb, answers: Answers) -> (grads, metrics, d_emb)
+    vision_into: Callable  # (params, vin, buffer, offset) -> buffer (donated) with a vision chunk's embeddings
+    vision_grads: Callable  # (acc, params, vin, d_buffer, offset) -> acc (donated) + a chunk's tower gradient
 
 
 def make_split_programs(cfg: ModelConfig, rl: RlConfig, prog: ProgramConfig = ProgramConfig(), *,
@@ -241,4 +283,6 @@ def make_split_programs(cfg: ModelConfig, rl: RlConfig, prog: ProgramConfig = Pr
         add_cotangent=jax.jit(_add_cotangent, donate_argnums=0),
         prefix_vjp=jit(functools.partial(_prefix_vjp, cfg), static_argnums=0),
         grads_recompute=jit(functools.partial(_grads_recompute, spec)),
+        vision_into=jit(functools.partial(_vision_into, cfg, prog), donate_argnums=2),
+        vision_grads=jit(functools.partial(_vision_grads, cfg, prog), donate_argnums=0),
     )

@@ -16,7 +16,6 @@ writes outputs. A step that fails (a rollout past ``--rollout_timeout_s``: ``run
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -93,9 +92,7 @@ class Runner:
         self.eval_set = load("eval")[0] if cfg.data.has_validation else None  # --val_dataset, or synthetic ones
         self.last_validation: validation.Validation | None = None
         self.sampler = data_lib.PromptSampler(len(self.train_set), cfg.rl.batch_prompts, cfg.run.seed)
-        if not cfg.data.prompt_bucket_cap and len(self.train_set):  # the buckets stop at the data's longest prompt
-            longest = min(int(self.train_set.prompt_lengths.max()), cfg.data.max_prompt_len)
-            self.cfg = cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prompt_bucket_cap=longest))
+        self.cfg = cfg = run_setup.resolve_data_shapes(cfg, self.train_set)
         self.lengths = memory_policy.data_lengths(cfg, self.train_set)
 
     def _build_state(self) -> None:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from rollout_torch.hf_engine import HFEngine
 from rollplex_jax.config import Config, ConfigError
+from rollplex_jax.config.shapes import vision_chunk_sizes
 from rollplex_jax.data import dataset as data_lib
 from rollplex_jax.data import synthetic
 from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
@@ -82,6 +83,25 @@ def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split
     if not path:
         path = _synthetic(cfg, workdir, procs, split, log)
     return data_lib.load_dataset(path, tok, cfg.model.vision, data_lib.LoadOptions.from_config(d), log=log)
+
+
+def resolve_data_shapes(cfg: Config, train_set: data_lib.Dataset) -> Config:
+    """``cfg`` with the shape settings left to the data (0) resolved from the training set: the prompt buckets'
+    cap (its longest prompt, at most ``--max_prompt_len``: one-length data is never padded past it) and the
+    vision chunks (``shapes.vision_chunk_sizes``)."""
+    d = cfg.data
+    if not len(train_set):
+        return cfg
+    changes = {}
+    if not d.prompt_bucket_cap:
+        changes["prompt_bucket_cap"] = min(int(train_set.prompt_lengths.max()), d.max_prompt_len)
+    frame = train_set.largest_frame_tokens
+    if d.vision_chunk_units >= 0 and frame:
+        v = train_set.vision_tokens
+        sizes = vision_chunk_sizes(cfg, frame, float(v.mean()), int(v.max()))
+        changes.update(vision_chunk_units=sizes.chunk_units, vision_frame_units=sizes.frame_units,
+                       vision_batch_units=sizes.batch_units)
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, **changes)) if changes else cfg
 
 
 def _synthetic(cfg: Config, workdir: str, procs: multihost.Processes, split: str, log) -> str:
@@ -211,5 +231,7 @@ def tracked(meter: MemoryMeter, programs, split):
             suffix_logp=t(split.suffix_logp, "score", "suffix_logp"),
             suffix_grads=t(split.suffix_grads, "train", "suffix_grads"),
             prefix_vjp=t(split.prefix_vjp, "train", "prefix_vjp"),
-            grads_recompute=t(split.grads_recompute, "train", "grads_recompute"))
+            grads_recompute=t(split.grads_recompute, "train", "grads_recompute"),
+            vision_into=t(split.vision_into, "rollout", "vision_into"),
+            vision_grads=t(split.vision_grads, "train", "vision_grads"))
     return programs, split

@@ -10,6 +10,9 @@ answers each (G, or 1). What runs when:
   rows' actor boundary KV (for old log-probs) comes from the plain prefix program. Boundary states carry
   the params version they were computed under (``Boundary``): a consumer at another version raises
   ``StaleBoundaryError``.
+- Chunked vision (shape buckets, ``models/qwen2_5_vl/vision_chunks.py``): the tower runs apart, chunk by chunk, into
+  one embeddings buffer per params (``_encode``: actor; reference unless ``--freeze_vision``); the prefix programs
+  take the buffer, and the buffer's cotangent goes back through the tower chunk by chunk (``_vision_grads``).
 - scoring (``ref_logp``, ``logp``): the suffix over each micro-batch of answers (``answer_blocks``).
 - ``grads`` of a mini-batch: per micro-batch of ``--micro_batch`` answers, or of as many as
   ``--micro_batch_tokens`` holds (``sequences.StepShapes``; whole prefix rows, or one row's answers in chunks when
@@ -29,9 +32,10 @@ import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
-from rollplex_jax.config.shapes import step_shapes
+from rollplex_jax.config.shapes import step_shapes, vision_chunk_spec
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
 from rollplex_jax.models.qwen2_5_vl.packing import to_device
+from rollplex_jax.models.qwen2_5_vl.vision_chunks import Chunks, VisionInputs, plan_chunks
 from rollplex_jax.programs.sequences import (
     answer_blocks,
     input_options,
@@ -45,6 +49,8 @@ from rollplex_jax.programs.sequences import (
 from rollplex_jax.programs.split import BoundaryRows
 from rollplex_jax.step.ops import Targets
 from rollplex_jax.trace import Tracer
+
+_MERGER = "visual.merger.mlp.2.weight"  # the tower's last weight: its output's dtype
 
 
 class StaleBoundaryError(RuntimeError):
@@ -89,12 +95,14 @@ class RollplexOps:
         g = cfg.rollout.group_size
         self.n = g if cfg.run.prefix_sharing else 1  # answers per prefix row
         self.shapes = step_shapes(cfg)
-        prompts = pad_prompts(prompts, self.shapes.prompt_len(prompts.input_ids.shape[1]))
+        prompts = pad_prompts(prompts, self.shapes.prefix_len(prompts.input_ids.shape[1]))
         self.micro = cfg.rl.micro_batch  # answers per suffix micro-batch (``set_rollouts``: the token budget's)
         self.rows = prompts if cfg.run.prefix_sharing else repeat_rows(cfg.model, prompts, g)
         self.n_rows = self.rows.batch_size
         self.minis = [(r.start // self.n, r.stop // self.n)
                       for r in mini_batch_rows(self.n_rows * self.n, cfg.rl.mini_batches)]
+        self.chunks, self.vins = _chunks(cfg, self.rows)  # vision chunks (or None: the tower inside the prefix)
+        self.frozen = cfg.optim.freeze_vision
         self.inputs = self._prepare(0, self.n_rows)
         self.state = state
         self.residuals = cfg.run.actor_prefix == "residuals"
@@ -112,8 +120,12 @@ class RollplexOps:
     # --- host inputs -----------------------------------------------------------------------------------
     def _prepare(self, p0: int, p1: int) -> ModelInputs:
         r = self.rows if (p0, p1) == (0, self.n_rows) else select_rows(self.cfg.model, self.rows, range(p0, p1))
+        opts = input_options(self.cfg)
+        if self.chunks is not None:  # the rows' vision tokens' rows in the chunks' embeddings buffer
+            slots = self.chunks.slots[vision_token_rows(self.cfg.model, self.rows, range(p0, p1))]
+            opts = dataclasses.replace(opts, vision_slots=np.pad(slots, (0, self.chunks.buffer - len(slots))))
         return prepare_inputs(self.cfg.model, r.input_ids, r.attention_mask, r.pixel_values, r.image_grid_thw,
-                              r.video_grid_thw, r.second_per_grid_ts, input_options(self.cfg))
+                              r.video_grid_thw, r.second_per_grid_ts, opts)
 
     def _part(self, p0: int, p1: int):
         """(inputs, frozen vision embeds) of prefix rows [p0, p1)."""
@@ -121,7 +133,9 @@ class RollplexOps:
             return self.inputs, self.emb
         if (p0, p1) not in self._cache:
             emb = None
-            if self.emb is not None:
+            if self.chunks is not None:  # the whole buffer: the inputs' vision_slots pick the rows' tokens
+                emb = self.emb
+            elif self.emb is not None:
                 emb = self.emb[to_device(vision_token_rows(self.cfg.model, self.rows, range(p0, p1)))]
             self._cache[(p0, p1)] = (self._prepare(p0, p1), emb)
         return self._cache[(p0, p1)]
@@ -131,7 +145,10 @@ class RollplexOps:
         """Asynchronously dispatches vision (if frozen), actor prefix and reference prefix under theta_k."""
         self._dispatch_t0 = self.tracer.now()
         p = self.state.params
-        self.emb = self.sp.vision(p, self.inputs) if self.cfg.optim.freeze_vision else None
+        if self.chunks is not None:
+            self.emb = self._encode(p)
+        else:
+            self.emb = self.sp.vision(p, self.inputs) if self.frozen else None
         first = self.minis[0] if self.residuals else (0, self.n_rows)
         parts = [first] + ([(first[1], self.n_rows)] if first[1] < self.n_rows else [])
         self.actor = []
@@ -144,10 +161,26 @@ class RollplexOps:
                 out = self.sp.prefix(p, inputs, emb)
             self.actor.append(_boundary(self.version, out, inputs, q0))
         if self.use_ref:
-            self.ref = _boundary(self.version, self.sp.prefix(self.state.ref_params, self.inputs, self.emb),
-                                 self.inputs, 0)
+            rp = self.state.ref_params
+            emb = self._encode(rp) if self.chunks is not None and not self.frozen else self.emb
+            self.ref = _boundary(self.version, self.sp.prefix(rp, self.inputs, emb), self.inputs, 0)
         self._ready = self._watch(self._prefix_outputs())
         return self
+
+    def _encode(self, params):
+        """The batch's vision embeddings buffer under ``params``: each chunk encoded, placed at its rows."""
+        buf = jnp.zeros((self.chunks.buffer, self.cfg.model.vision.out_hidden_size), params[_MERGER].dtype)
+        for vin, off in zip(self.vins, self.chunks.offsets, strict=True):
+            buf = self.sp.vision_into(params, vin, buf, off)
+        return buf
+
+    def _vision_grads(self, params, d_buffer, acc):
+        """``acc`` plus the vision tower's gradient from the buffer's cotangent, chunk by chunk."""
+        if self.chunks is None or self.frozen or d_buffer is None:
+            return acc
+        for vin, off in zip(self.vins, self.chunks.offsets, strict=True):
+            acc = self.sp.vision_grads(acc, params, vin, d_buffer, off)
+        return acc
 
     def _prefix_outputs(self):
         return [(b.arrays.k, b.arrays.last) for b in self.actor], None if self.ref is None else self.ref.arrays.last
@@ -209,7 +242,10 @@ class RollplexOps:
         t = targets.reshaped((m1 - m0, self.n), (self.n_rows, self.n))
         res = self.actor[0] if self.actor and self.kept is not None else None
         use_res = version == self.version and res is not None and (m0, m1) == (res.q0, res.rows.stop)
-        acc, parts, ct = None, [], None
+        acc, parts, ct, d_emb = None, [], None, None
+        emb = None  # chunked vision, recomputed prefix: the buffer under ``params`` (theta_k's, or encoded again)
+        if self.chunks is not None and not use_res:
+            emb = self.emb if version == self.version or self.frozen else self._encode(params)
         for blk in answer_blocks(m0, m1, self.n, self.micro):
             ans = t.answers(to_device(self.resp[blk.index]), (slice(blk.p0 - m0, blk.p1 - m0),
                                                                  slice(blk.a0, blk.a1)), blk.index)
@@ -220,15 +256,17 @@ class RollplexOps:
                     else ct
                 ct = self.sp.add_cotangent(ct, cts, blk.p0 - res.q0)
             else:
-                g, m = self.sp.grads_recompute(params, *self._part(blk.p0, blk.p1), ans)
+                inputs, part_emb = self._part(blk.p0, blk.p1)
+                g, m, d = self.sp.grads_recompute(params, inputs, part_emb if emb is None else emb, ans)
+                d_emb = d if d_emb is None or d is None else d_emb + d
             acc = g if acc is None else self.accumulate(acc, g)
             parts.append(m)
         if use_res:
-            g_prefix = self.sp.prefix_vjp(self.meta, params, self.kept, *ct)
+            g_prefix, d_emb = self.sp.prefix_vjp(self.meta, params, self.kept, *ct)
             if self.on_live is not None:  # the fullest point: cotangents, the prefix's gradient, the sum so far
-                self.on_live({**self.live(), "activations": (ct, g_prefix), "gradients": acc})
+                self.on_live({**self.live(), "activations": (ct, g_prefix, d_emb), "gradients": acc})
             acc = self.accumulate(acc, g_prefix)
-        return acc, parts
+        return self._vision_grads(params, d_emb, acc), parts
 
     def slots(self) -> np.ndarray:
         """The prefix rows' (``sequences.row_slots``) plus the answers' (right-padded [rows, n, Tr], never packed)."""
@@ -240,7 +278,7 @@ class RollplexOps:
         """The boundary state and residuals still held, by buffer class."""
         kv = [(b.arrays.k, b.arrays.v, b.arrays.last) for b in [*self.actor, self.ref] if b is not None]
         return {"boundary_kv": kv or None, "prefix_residuals": self.kept,
-                "other": (self.inputs, self.emb, list(self._cache.values()))}
+                "other": (self.inputs, self.emb, self.vins, list(self._cache.values()))}
 
     def after_ref(self) -> None:
         """The reference boundary's last consumer (the reference suffix) is done: free it."""
@@ -253,5 +291,17 @@ class RollplexOps:
 
     def drop(self) -> None:
         """Ends the life of the boundary state and residuals (their buffers are freed)."""
-        self.actor, self.ref, self.kept = [], None, None
+        self.actor, self.ref, self.kept, self.emb = [], None, None, None
         self._cache.clear()
+
+
+def _chunks(cfg: Config, rows) -> tuple[Chunks | None, list[VisionInputs]]:
+    """The prefix rows' vision chunks and their device inputs, or (None, []) without chunked vision (off, or no
+    images or videos in the batch)."""
+    spec = vision_chunk_spec(cfg)
+    grids = [g for g in (rows.image_grid_thw, rows.video_grid_thw) if g is not None and len(g)]
+    if spec is None or not grids:
+        return None, []
+    chunks = plan_chunks(np.concatenate(grids), rows.pixel_values, spec, cfg.model.vision)
+    return chunks, [VisionInputs(to_device(c["pixel_values"]), {k: to_device(v) for k, v in c["layout"].items()})
+                    for c in chunks.inputs]

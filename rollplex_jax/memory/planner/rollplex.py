@@ -16,8 +16,10 @@ The train phase is the larger of the two (a meter's snapshot sees one moment, no
 
 from __future__ import annotations
 
+import math
+
 from rollplex_jax.config import Config, ModelConfig
-from rollplex_jax.config.shapes import planned_micro_batch
+from rollplex_jax.config.shapes import ChunkSpec, planned_micro_batch, vision_chunk_sizes, vision_chunk_spec
 from rollplex_jax.memory.classes import CLASSES, PHASES
 from rollplex_jax.memory.planner import rows
 from rollplex_jax.memory.planner.activations import (
@@ -37,6 +39,43 @@ from rollplex_jax.memory.planner.types import F32, Lengths, PlanMesh, ProgramMod
 def prefix_rows(cfg: Config, mesh: PlanMesh) -> float:
     """Prefix rows per device (all of the step's, as the prefix forward and the reference take them)."""
     return rows.per_device(rows.prefix_rows_total(cfg), mesh)
+
+
+def vision_chunks(cfg: Config, lengths: Lengths) -> ChunkSpec | None:
+    """The run's vision chunks (``shapes.vision_chunk_spec``), settings left to the data resolved from the
+    planner's lengths (every row at its most vision tokens, one frame each: an upper bound), or None (no vision
+    tokens, or the tower inside the prefix programs)."""
+    if not lengths.vision_tokens:
+        return None
+    t = lengths.vision_tokens
+    return vision_chunk_spec(cfg, vision_chunk_sizes(cfg, t, t, t) if cfg.data.vision_chunk_units == 0 else None)
+
+
+def _chunk_sets(cfg: Config, ch: ChunkSpec | None, lengths: Lengths, pm: ProgramModel, tp: int) -> dict:
+    """Chunked vision's bytes on a device: the embeddings buffer (whole on every device), the chunks' inputs
+    (host-built, whole on the first device like the other inputs; one image of the lengths' most vision tokens
+    per prefix row, packed as ``vision_chunks`` packs them: whole images to a full-attention row, rows to a part,
+    ``ch.groups`` parts to a chunk), and over one part (a chunk's parts are split over the fsdp devices) the
+    encoding program's working set (``vision_into``) and the tower gradient's (``vision_grads``: its forward's
+    saved activations, a block's backward and the remat carry)."""
+    if ch is None:
+        return dict.fromkeys(("buffer", "inputs", "encode", "grads"), 0.0)
+    m = cfg.model
+    v, b = m.vision, dtype_bytes(m)
+    unit = v.spatial_merge_size**2
+    n, frame = ch.units * unit, ch.frame * unit
+    fwd = Pass(0, 0, 0, n, frame)
+    per_part = max(1, ch.frame // min(lengths.vision_tokens, ch.frame)) * (ch.units // ch.frame)
+    n_chunks = min(ch.buffer // ch.chunk_units, math.ceil(rows.prefix_rows_total(cfg) / per_part / ch.groups))
+    # the chunk's pixels are the program's input: in an fp32 model their cast to the dtype copies nothing
+    no_cast = n * v.patch_dim * b if b == F32 else 0.0
+    grads = (saved_activations(m, fwd, pm, tp, text_const=False) - no_cast
+             + BWD_FACTOR * block_temp(m, n, pm, frame, tp)
+             + one_layer_saved(m, 0, 0, 0, n, pm, tp) + backward_carry(m, 0, n, tp))
+    return {"buffer": ch.buffer * m.text.hidden_size * b,
+            "inputs": n_chunks * ch.groups * (n * (v.patch_dim * F32 + 2 * 4) + ch.units * 8 + ch.windows * 4),
+            "encode": block_temp(m, n, pm, frame, tp) + 2 * n * v.hidden_size * b,
+            "grads": 0.0 if cfg.optim.freeze_vision else grads}
 
 
 def _kv_row(m: ModelConfig, Tp: int, tp: int) -> float:
@@ -62,8 +101,11 @@ def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramMode
     m = cfg.model
     x, v, b = m.text, m.vision, dtype_bytes(m)
     Tp, Tv, Tr, tp = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens, mesh.tp
-    vision_in_prefix = not cfg.optim.freeze_vision
-    patches = Tv * v.spatial_merge_size**2 if vision_in_prefix else 0
+    ch = vision_chunks(cfg, lengths)
+    cs = _chunk_sets(cfg, ch, lengths, pm, tp)
+    vision_in_prefix = not cfg.optim.freeze_vision and ch is None
+    patches_row = Tv * v.spatial_merge_size**2
+    patches = patches_row if vision_in_prefix else 0
     Bp, nv = prefix_rows(cfg, mesh), prefix_rows(cfg, mesh) * patches
     residuals = cfg.run.actor_prefix == "residuals"
     # The residual path keeps the vjp residuals of the first mini-batch's prefix rows and runs their vjp once
@@ -95,17 +137,23 @@ def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramMode
     # the actor suffix's log-probs: the reference's (scoring), and theta_k's for the old log-probs of several
     # mini-batches (the meter counts that program's temp in the score phase wherever it runs)
     suffix_logp = cfg.rl.uses_reference or cfg.rl.mini_batches > 1
+    d_emb = 0.0 if cfg.optim.freeze_vision else cs["buffer"]
     return {
         "actor_kv": sum(parts) * kv_row,
         "ref_kv": Bp * kv_row if cfg.rl.uses_reference else 0.0,
         "prefix_res": prefix_residual_bytes(m, res_rows, Tp, Tv, pm, tp=tp, vision=vision_in_prefix,
                                             text_rows=rows.packed(res_rows, lengths))
         if residuals else 0.0,
-        "rollout": s.engine_tmp + prefix_fwd + s.gathered.forward,
+        "rollout": s.engine_tmp + max(prefix_fwd, cs["encode"]) + s.gathered.forward,
         "score": suffix_score + s.gathered.text_forward if suffix_logp else 0.0,
-        "train_first": first + grad_extra,
-        "train_later": recompute + grad_extra if residuals and cfg.rl.mini_batches > 1 else None,
-        "emb": 0.0 if vision_in_prefix else Bp * Tv * x.hidden_size * b,
+        # chunked vision: the buffer's cotangent beside each, then the tower's gradient chunk by chunk; a later
+        # mini-batch also holds its buffer encoded again under its params
+        "train_first": max(first, cs["grads"]) + d_emb + grad_extra,
+        "train_later": max(recompute, cs["grads"]) + 2 * d_emb + grad_extra
+        if residuals and cfg.rl.mini_batches > 1 else None,
+        "emb": 0.0 if vision_in_prefix or ch is not None else Bp * Tv * x.hidden_size * b,
+        "chunks": cs,
+        "pixels": rows.prefix_rows_total(cfg) * patches_row * v.patch_dim * F32,  # in the inputs (``Sizes``)
     }
 
 
@@ -116,11 +164,20 @@ def rollplex(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s:
     chunks = cfg.memory.optimizer_chunks
     at_dispatch, by_the_end = rows.input_copies(cfg)
     copies = {"rollout": at_dispatch, "score": at_dispatch, "train": by_the_end, "update": by_the_end}
+    cs = a["chunks"]
+    # chunked vision: the inputs hold no pixels (the chunks do, once), and the buffer is shared by every part;
+    # during the rollout the reference's own buffer (unless frozen) lives until its prefix has run
+    inputs = s.inputs_rollplex - (a["pixels"] if cs["buffer"] else 0.0)
+    held = cs["buffer"] + cs["inputs"]
+    ref_buffer = cs["buffer"] if cfg.rl.uses_reference and not cfg.optim.freeze_vision else 0.0
+
+    def other(n: float, p: str) -> float:
+        return (inputs + a["emb"]) * n + s.rollouts + held + (ref_buffer if p == "rollout" else 0.0)
+
     rp = {p: dict.fromkeys(CLASSES, 0.0) for p in PHASES}
     for p in PHASES:
         c = rp[p]
-        c.update(compute_weights=s.compute, ref_weights=s.ref, rollout_weights=s.rebuilt,
-                 other=(s.inputs_rollplex + a["emb"]) * copies[p] + s.rollouts)
+        c.update(compute_weights=s.compute, ref_weights=s.ref, rollout_weights=s.rebuilt, other=other(copies[p], p))
         on = (not offload) or p == "update"
         c["master_weights"] = (s.master / chunks if offload else s.master) if on else 0.0
         c["optimizer_state"] = (s.moments / chunks if offload else s.moments) if on else 0.0
@@ -131,7 +188,7 @@ def rollplex(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s:
     rp["rollout"]["activations"], rp["score"]["activations"] = a["rollout"], a["score"]
     rp["train"].update(gradients=s.compute, activations=a["train_first"])
     if a["train_later"] is not None:  # the train phase's two moments (module doc): the fuller one
-        first = dict(rp["train"], other=(s.inputs_rollplex + a["emb"]) * at_dispatch + s.rollouts)
+        first = dict(rp["train"], other=other(at_dispatch, "train"))
         later = dict(rp["train"], boundary_kv=0.0, prefix_residuals=0.0, activations=a["train_later"])
         rp["train"] = max(first, later, key=lambda c: sum(c.values()))
     rp["update"]["gradients"] = 2 * s.compute  # the accumulated gradients and their clipped copy

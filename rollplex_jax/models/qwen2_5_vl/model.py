@@ -60,7 +60,9 @@ class ModelInputs:
     pixel_values: [N, patch_dim] patches of all images (batch order) then all videos, or None;
     layout: ``VisionLayout.arrays()`` of the same grids, or None;
     packing: the rows' real tokens packed into fewer rows (``packing.Packing``), which the decoder then runs
-      on instead of the padded arrays (outputs are returned in the padded layout), or None.
+      on instead of the padded arrays (outputs are returned in the padded layout), or None;
+    vision_slots: [S] the row of each vision token (batch order, padded) in the embeddings the programs are
+      given (the buffer of ``vision_chunks.py``; pixel_values and layout are then None), or None.
     """
 
     input_ids: jax.Array
@@ -71,6 +73,7 @@ class ModelInputs:
     pixel_values: jax.Array | None = None
     layout: dict | None = None
     packing: P.Packing | None = None
+    vision_slots: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -102,6 +105,9 @@ class InputOptions:
     pack: bool = False
     buckets: Buckets | None = None
     pack_cap: int = 0  # the longest packed row with buckets (``--max_prompt_len`` + ``--max_new_tokens``)
+    # the vision tokens' rows in an embeddings buffer encoded apart (``vision_chunks.Chunks.slots``): no vision
+    # inputs then, the programs take the buffer as their vision embeddings
+    vision_slots: np.ndarray | None = None
 
 
 def prepare_inputs(
@@ -145,7 +151,7 @@ def prepare_inputs(
                          "one value per video_grid_thw row (seconds per temporal grid step), or None")
     positions, next_pos = rope.get_rope_index(input_ids, attention_mask, cfg, image_grid_thw, video_grid_thw,
                                               second_per_grid_ts, types)
-    pixel_values, layout = _vision(cfg, grids, pixel_values, opts)
+    pixel_values, layout = _vision(cfg, grids, pixel_values, opts) if opts.vision_slots is None else (None, None)
     packed = P.pack_layout(attention_mask, opts.groups, stable=opts.buckets is not None,
                            row_lengths=_row_lengths(opts, attention_mask.shape[1])) if opts.pack else None
     return ModelInputs(
@@ -157,6 +163,7 @@ def prepare_inputs(
         pixel_values=None if layout is None else P.to_device(pixel_values, np.float32),
         layout=None if layout is None else {k: P.to_device(v) for k, v in layout.items()},
         packing=None if packed is None else P.pack(input_ids, types, np.asarray(positions), packed),
+        vision_slots=None if opts.vision_slots is None else P.to_device(opts.vision_slots, np.int32),
     )
 
 
@@ -224,6 +231,8 @@ def _rows_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_em
     ([P, T, ...]) when ``inputs.packing`` is set (``_to_rows`` brings an output back to the padded layout)."""
     if vision_embeds is None:
         vision_embeds = encode_vision(params, cfg, inputs, prog=prog)
+    elif inputs.vision_slots is not None:  # a buffer of chunks' embeddings: the batch's tokens in batch order
+        vision_embeds = vision_embeds[inputs.vision_slots]
     pk = inputs.packing
     src = inputs if pk is None else pk
     h = embed(params, cfg, src.input_ids, vision_embeds, src.token_types,

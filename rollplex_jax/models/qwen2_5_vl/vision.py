@@ -54,10 +54,11 @@ def _take(x, idx):
 
 
 def _attention(p: dict, prefix: str, x, cos, sin, seg, cfg: VisionConfig, prog: ProgramConfig):
-    """Bidirectional attention of x [N, D] within each segment: ``seg`` = (gather, slot) of
+    """Bidirectional attention of x [N, D] within each segment: ``seg`` = (gather, slot, ids) of
     ``_segments``: gather [groups, S, L] holds each segment's patch indices local to its group of
-    N / groups rows, padded at the end with N / groups (masked as keys, dropped as outputs)."""
-    gather, slot = seg
+    N / groups rows, padded at the end with N / groups (masked as keys, dropped as outputs); ids [groups, S, L]
+    (or None): inside a segment a patch sees the patches of its own id only (frames of a vision chunk)."""
+    gather, slot, ids = seg
     n = x.shape[0]
     g, segs, length = gather.shape
     local = n // g
@@ -74,7 +75,9 @@ def _attention(p: dict, prefix: str, x, cos, sin, seg, cfg: VisionConfig, prog: 
     def by_segment(a):  # [N, h, d] -> [groups * S, L, h, d]: segments are the batch axis
         return constrain_rows(_take(a, idx).reshape(g * segs, length, *a.shape[1:]))
 
-    src = KVSource(by_segment(k), by_segment(v), constrain_rows(valid.reshape(g * segs, length)), right_padded=True)
+    segments = None if ids is None else constrain_rows(ids.reshape(g * segs, length))
+    src = KVSource(by_segment(k), by_segment(v), constrain_rows(valid.reshape(g * segs, length)), right_padded=True,
+                   segments=segments, q_segments=None if ids is None else segments[:, None])
     out = attention(by_segment(q)[:, None], [src], impl=prog.attention, block=prog.attention_block)[:, 0]
     out = _take(out.reshape(g * segs * length, -1), slot).reshape(n, -1)  # back to patch order
     return linear(out, p[prefix + "proj.weight"], p[prefix + "proj.bias"])
@@ -115,7 +118,8 @@ def vision_forward(params: dict, cfg: VisionConfig, pixel_values, layout: dict, 
     n, d = x.shape
     x = _take(x.reshape(n // unit, unit, d), layout["window_index"]).reshape(n, d)
     cos, sin = vision_cos_sin(jnp.asarray(layout["rot_pos"]), cfg)
-    full, win = _segments(layout["frame_gather"], unit, n), _segments(layout["window_gather"], unit, n)
+    full = _segments(layout["frame_gather"], unit, n, layout.get("frame_ids"))
+    win = _segments(layout["window_gather"], unit, n)
     for i in range(cfg.depth):
         block = rematerialise(functools.partial(_block, cfg, prog, i), prog.remat)
         x = block(layer_params(params, f"visual.blocks.{i}."), x, cos, sin,
@@ -124,11 +128,12 @@ def vision_forward(params: dict, cfg: VisionConfig, pixel_values, layout: dict, 
     return _take(merged, layout["reverse_index"]).reshape(merged.shape)
 
 
-def _segments(unit_gather, unit: int, n: int):
-    """(gather, slot) of one segmentation over n patches, computed once for every block: merge-unit indices
-    [groups, S, L] -> patch indices [groups, S, L * unit] (padding stays out of range), and per group each of
-    its n / groups patches' slot among the S x L * unit gathered rows. The attention's output goes back to
-    patch order by gathering those slots (each patch is in exactly one segment), not by scattering [N, D]
+def _segments(unit_gather, unit: int, n: int, unit_ids=None):
+    """(gather, slot, ids) of one segmentation over n patches, computed once for every block: merge-unit indices
+    [groups, S, L] -> patch indices [groups, S, L * unit] (padding stays out of range), per group each of
+    its n / groups patches' slot among the S x L * unit gathered rows, and the units' ids [groups, S, L] (frame
+    ids of a vision chunk's full-attention rows, ``vision_chunks.py``) per patch, or None. The attention's output
+    goes back to patch order by gathering those slots (each patch is in exactly one segment), not by scattering [N, D]
     values (whose index arrays XLA broadcasts to [N, D])."""
     g = jnp.asarray(unit_gather)
     gather = (g[..., None] * unit + jnp.arange(unit, dtype=g.dtype)).reshape(*g.shape[:2], -1)
@@ -137,7 +142,8 @@ def _segments(unit_gather, unit: int, n: int):
     def slots(gi):  # [S, L] -> [local]: the slot numbers scattered to their patches (padding dropped)
         return jnp.zeros((local,), jnp.int32).at[gi.reshape(-1)].set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
 
-    return gather, jax.vmap(slots)(gather)
+    ids = None if unit_ids is None else jnp.repeat(jnp.asarray(unit_ids), unit, axis=-1)
+    return gather, jax.vmap(slots)(gather), ids
 
 
 def merger(params: dict, cfg: VisionConfig, x) -> jax.Array:
