@@ -19,7 +19,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[cpu,dev]"
 	$(BIN)/python -m pip check
+	$(MAKE) gpu-aot
 	touch $(STAMP)
+
+# XLA's GPU compiler without a GPU (`launch.plan --compile --target=h100`): pyproject's `gpu-aot` extra (the CUDA
+# plugin of this jax version, ptxas) into .venv/gpu-aot, off the path (rollplex_jax/memory/targets.py says why).
+GPU_AOT_PKGS = $(shell $(BIN)/python -c "import tomllib; print(' '.join(repr(p) for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu-aot']))")
+.PHONY: gpu-aot
+gpu-aot:
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/gpu-aot $(GPU_AOT_PKGS)
 
 # The suite in 2 worker processes (pytest-xdist: XLA compiles on one core, so two workers fill two), then the
 # tests that measure wall time alone (marker `timing`).

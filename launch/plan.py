@@ -10,11 +10,12 @@ JSON object as the last stdout line (``--format=json``: only that line). The for
 assume are in the ``rollplex_jax/memory/planner/`` modules (``layouts``: the layouts; ``activations``: the per-layer
 formulas; ``types``: mesh, lengths, program model).
 
-  python -m launch.plan --flagfile=... --compile [--format=json]
+  python -m launch.plan --flagfile=... --compile [--target=cpu|h100|h200|h800|a100] [--format=json]
 
 adds XLA's own bytes: every program of one step AOT-compiled for the plan's shapes (``rollplex_jax/memory/aot.py``;
-nothing is allocated, a mesh runs on fake CPU devices), per program and per phase, and the plan's JAX-side
-bytes over them (``planned_vs_compiled``).
+nothing is allocated, a mesh runs on fake CPU devices, or with a GPU ``--target`` on fake GPUs of that card compiled
+by XLA's GPU compiler: ``rollplex_jax/memory/targets.py``), per program and per phase, the plan's JAX-side bytes
+over them (``planned_vs_compiled``) and the compiled peak with the plan's torch-side bytes (``compiled_peak_bytes``).
 
   python -m launch.plan --flagfile=... --baseline=megatron_vllm [--gpu_memory_utilization=0.9]
 
@@ -79,10 +80,18 @@ _GPU_UTIL = flags.DEFINE_float("gpu_memory_utilization", 0.9, "With --baseline=m
                                "gpu_memory_utilization (its weights + activations + KV pool = this x HBM, HBM = "
                                "--hbm_budget or 80 GiB; 0.9 = vLLM's default and ROLL's Qwen2.5-VL example).",
                                lower_bound=0.0, upper_bound=1.0)
-_COMPILE = flags.DEFINE_bool("compile", False, "Also AOT-compile the run's real programs for these shapes on the "
-                             "backend present (nothing is allocated; with fake CPU devices for a mesh larger than "
-                             "the visible devices) and print XLA's bytes per program and phase beside the plan "
+_COMPILE = flags.DEFINE_bool("compile", False, "Also AOT-compile the run's real programs for these shapes for "
+                             "--target (nothing is allocated; cpu: with fake CPU devices for a mesh larger than the "
+                             "visible devices) and print XLA's bytes per program and phase beside the plan "
                              "(rollplex_jax/memory/aot.py).")
+
+
+_TARGET = flags.DEFINE_enum("target", "cpu", ["cpu", "h100", "h200", "h800", "a100"],
+                            "With --compile: the device to compile for. cpu = XLA's CPU compiler on the visible (or "
+                            "fake CPU) devices, its CPU stand-ins labelled; h100 / h200 / h800 / a100 = XLA's GPU "
+                            "compiler for that card on the flagfile's mesh of fake GPUs, no GPU needed (the programs a "
+                            "GPU runs: its attention blocks and compiler options; needs `make gpu-aot`; "
+                            "rollplex_jax/memory/targets.py).")
 
 
 def _programs(cfg):
@@ -171,8 +180,12 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     cfg = launch_flags.config_from_flags(flags.FLAGS)
-    if _COMPILE.value:
+    if _COMPILE.value and _TARGET.value == "cpu":
         _fake_devices(cfg.mesh.train_devices)
+    elif _COMPILE.value:  # a GPU target: the CUDA plugin registered before JAX starts (targets.use_plugin)
+        from rollplex_jax.memory import targets
+
+        targets.use_plugin()
     from rollplex_jax.memory import planner
 
     if _SIMULATE.value:
@@ -254,14 +267,27 @@ def baseline_table(b: dict) -> str:
 def compiled_section(cfg, lengths, p) -> dict:
     """``compiled`` (per program: XLA's temp/argument/output/alias/total bytes per device) and, per phase of the
     schedule's layout, the compiled bytes and ``planned_vs_compiled`` (the plan's JAX-side bytes / compiled)."""
-    from rollplex_jax.memory import aot
+    from rollplex_jax.memory import aot, targets
 
-    c = aot.compiled_memory(cfg, lengths, policy=p.optimizer_policy, frames=_FRAMES.value)
+    t = None if _TARGET.value == "cpu" else targets.target(_TARGET.value)
+    try:
+        c = aot.compiled_memory(cfg, lengths, policy=p.optimizer_policy, frames=_FRAMES.value, target=t)
+    except RuntimeError as e:
+        if t is None or targets.INSTALL_HINT not in str(e):
+            raise
+        raise app.UsageError(f"--target={_TARGET.value}: {e}") from None
     out = {"compiled": {k: v.to_dict() for k, v in c.programs.items()},
-           "compiled_phases": c.to_dict()["phases"], "compiled_note": c.note}
+           "compiled_phases": c.to_dict()["phases"], "compiled_note": c.note,
+           "compiled_target": t.to_dict() if t is not None else {"target": "cpu", "device": "XLA CPU"},
+           "compiled_versions": targets.versions()}
     if cfg.run.schedule == "rollplex":  # the planner has no layout of our serial schedule (naive = a baseline)
         out["planned_vs_compiled"] = {ph: round(p.jax_bytes("rollplex", ph) / max(b, 1), 4)
                                       for ph, b in c.phase_bytes.items()}
+        # the worst phase as compiled, with the plan's torch-side bytes of that phase (engine weights, KV cache)
+        torch_side = {ph: p.peak("rollplex", ph) - p.jax_bytes("rollplex", ph) for ph in c.phase_bytes}
+        worst = max(c.phase_bytes, key=lambda ph: c.phase_bytes[ph] + torch_side[ph])
+        out["compiled_peak_bytes"] = int(c.phase_bytes[worst] + torch_side[worst])
+        out["compiled_peak_phase"] = worst
     return out
 
 
@@ -269,7 +295,9 @@ def compiled_table(out: dict) -> str:
     from rollplex_jax.memory import planner
 
     gib = lambda b: f"{b / planner.GiB:10.3f}"  # noqa: E731
-    lines = ["", "AOT-compiled programs (GiB per device): temp, arguments, outputs, aliases, total"]
+    target = out["compiled_target"]
+    lines = ["", f"AOT-compiled programs for {target['device']} ({target['target']}; GiB per device): temp, "
+             "arguments, outputs, aliases, total"]
     for name, v in out["compiled"].items():
         lines.append(f"  {name:<16}" + "".join(gib(v[k]) for k in ("temp_bytes", "argument_bytes", "output_bytes",
                                                                        "alias_bytes", "total_bytes")))
@@ -278,6 +306,10 @@ def compiled_table(out: dict) -> str:
     for ph, v in out["compiled_phases"].items():
         ratio = out.get("planned_vs_compiled", {}).get(ph)
         lines.append(f"  {ph:<8}{gib(v['bytes'])}  ({v['program']})" + (f"  {ratio:.3f}" if ratio else ""))
+    if "compiled_peak_bytes" in out:
+        peak = planner.human_bytes(out["compiled_peak_bytes"])
+        lines.append(f"compiled peak with the plan's torch-side bytes: {peak} ({out['compiled_peak_phase']})")
+    lines.append(f"note: {out['compiled_note']}")
     return "\n".join(lines)
 
 

@@ -44,6 +44,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rollplex_jax.config import Config
 from rollplex_jax.config.shapes import planned_micro_batch
+from rollplex_jax.memory import targets
+from rollplex_jax.models.platform import compiling_for, platform
 from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs
@@ -77,8 +79,8 @@ def compile_setup(cfg: Config) -> tuple[Config, dict | None, str]:
     """(the config to compile, extra XLA options, a note): on CPU without the all-reduce combiner, and a
     bfloat16 model as float16 with the pass that upcasts 16-bit dots disabled (module doc); elsewhere the
     config as it is."""
-    if jax.default_backend() != "cpu":
-        return cfg, None, f"compiled as {cfg.model.dtype} on {jax.default_backend()}"
+    if platform() != "cpu":
+        return cfg, None, f"compiled as {cfg.model.dtype} for {platform()}"
     passes = [(compiler_options(cfg.programs.remat) or {}).get("xla_disable_hlo_passes"), CPU_COMBINER]
     note = ["compiled on cpu without its all-reduce combiner (it merges every layer's gradient all-reduce "
             "into one, keeping all of them live)"]
@@ -102,18 +104,22 @@ def abstract_shard_bytes(tree) -> int:
 
 
 class Abstract:
-    """Abstract (ShapeDtypeStruct) params, optimizer state and inputs on the training mesh."""
+    """Abstract (ShapeDtypeStruct) params, optimizer state and inputs on the training mesh: of the visible
+    devices, or of ``devices`` (a compile target's fake ones, ``targets.devices``: a mesh even of one, so that
+    every program lowers for them)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, devices: list | None = None):
         self.cfg = cfg
         m = cfg.mesh
-        devices = jax.devices()
-        if len(devices) < m.train_devices:  # e.g. one GPU and an 8-device flagfile: fake CPU devices, if any
+        target = devices is not None
+        devices = jax.devices() if devices is None else devices
+        if len(devices) < m.train_devices and not target:  # e.g. one GPU, an 8-device flagfile: fake CPU devices
             devices = jax.devices("cpu")
         if len(devices) < m.train_devices:
             raise ValueError(f"compiling for {m.train_devices} devices needs as many visible ones (on CPU: XLA_FLAGS="
                              f"--xla_force_host_platform_device_count={m.train_devices} before JAX starts)")
-        self.mesh = mesh_lib.train_mesh(m, devices[:m.train_devices]) if m.train_devices > 1 else None
+        many = m.train_devices > 1 or target
+        self.mesh = mesh_lib.train_mesh(m, devices[:m.train_devices]) if many else None
         self.replicated = NamedSharding(self.mesh, PartitionSpec()) if self.mesh is not None else None
         shapes = param_shapes(cfg.model)
         shard = mesh_lib.param_shardings(cfg.model, self.mesh) if self.mesh is not None else {}
@@ -272,17 +278,31 @@ def _update_phase(ph: _Phases, optimizer, params, opt, grads, live: dict, offloa
            partial=abstract_shard_bytes((args[0], args[3]) if offload else args[:4]))
 
 
-def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int = 0) -> Compiled:
+def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int = 0,
+                    target: targets.Target | None = None) -> Compiled:
     """Compiles the programs of one step of ``cfg.run.schedule`` at ``lengths`` (``planner.Lengths``) on the
     training mesh (which needs ``mesh.train_devices`` visible devices: on CPU, fake ones) and returns their
     per-device bytes, per program and per phase. ``policy``: where the optimizer state lives (resident on
-    the device in every phase, or offloaded: on it only during the update)."""
+    the device in every phase, or offloaded: on it only during the update). ``target``: a GPU to compile for
+    instead (``targets.py``: XLA's GPU compiler on fake devices of that card; the programs built as for a GPU)."""
+    if target is None:
+        return _compiled_memory(cfg, lengths, policy, frames, None, "")
+    devices = targets.devices(target, cfg.mesh.train_devices)
+    note = (f"compiled for {target.name} (sm_{''.join(map(str, target.capability))}) by XLA's GPU compiler without a "
+            "device: default GEMM tiles (no autotuning); NCCL buffers, cuBLAS/cuDNN workspaces and allocator slack "
+            "are not in these bytes")
+    with compiling_for("gpu"):
+        return _compiled_memory(cfg, lengths, policy, frames, devices, note)
+
+
+def _compiled_memory(cfg: Config, lengths, policy: str, frames: int, devices: list | None, target_note: str):
     import contextlib
 
     from rollplex_jax.programs.actor import make_programs
 
     cfg, options, note = compile_setup(cfg)
-    A = Abstract(cfg)
+    note = "; ".join(filter(None, [target_note, note]))
+    A = Abstract(cfg, devices)
     offload = policy == "offload"
     progs = make_programs(cfg.model, cfg.rl, cfg.optim, max(cfg.run.steps, 1), offload_optimizer=offload,
                           optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1, prog=cfg.programs,

@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 
 from rollplex_jax.config import CPU_BLOCK_BYTES
+from rollplex_jax.models.platform import platform
 
 log = logging.getLogger(__name__)
 _F32 = jnp.float32
@@ -129,8 +130,6 @@ def attention(q: jax.Array, sources: list[KVSource], *, impl: str = "blockwise",
     return blockwise_attention(q, sources, block)
 
 
-
-
 def cache_block(block: int, rows: int, t: int, s: int) -> int:
     """The blockwise block length to use for ``rows`` = B*N*H score rows, T queries and S keys (at most ``block``).
 
@@ -143,7 +142,7 @@ def cache_block(block: int, rows: int, t: int, s: int) -> int:
     decoder's causal attention, 32 rows x 277 tokens, 4 heads over 2 kv heads, d 16: forward 113 (dense,
     one block) / 56 / 30 ms and gradient 172 / 208 / 96 ms at 512 / 128 / 64. Results equal up to float
     summation order (5e-7). Elsewhere (GPU) ``block`` is returned as given."""
-    if jax.default_backend() != "cpu":
+    if platform() != "cpu":
         return block
     while block > 16 and rows * min(block, t) * min(block, s) * 4 > CPU_BLOCK_BYTES:
         block //= 2
@@ -459,8 +458,8 @@ def _note(message: str) -> None:
 
 def _cudnn_unsupported(q: jax.Array, sources: list[KVSource]) -> str | None:
     """Why cuDNN cannot compute this call exactly, or None if it can."""
-    if jax.default_backend() != "gpu":
-        return f"cuDNN needs a GPU (backend is {jax.default_backend()})"
+    if platform() != "gpu":
+        return f"cuDNN needs a GPU (compiling for {platform()})"
     if len(sources) != 1:
         return "several KV sources in one softmax (the suffix over a prefix)"
     src = sources[0]

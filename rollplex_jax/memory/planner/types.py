@@ -158,13 +158,14 @@ class Lengths:
     def bucketed(self, cfg: Config) -> Lengths:
         """The lengths the run's programs hold under ``--shape_buckets`` (``config/shapes.py``): the prompt
         rounded up to its bucket (at most ``max_prompt_len``), the vision tokens to a power of two (the model
-        pads a batch's merge units to one, ``models/qwen2_5_vl/model._vision``), at most the prompt, and with
+        pads a batch's merge units to one, ``models/qwen2_5_vl/model._vision``), at most what the prompt holds
+        beside its two vision markers (a 1280-token image in a 2048-token prompt: 2046, not 2048), and with
         ``--packing`` the prompts a padded prefix row holds (``packing.pack_layout(stable=True)`` packs the
         prompts of a group into power-of-two rows); unchanged with buckets off."""
         if cfg.programs.buckets is None:
             return self
         p = max(self.prompt_tokens, step_shapes(cfg).prompt_len(self.prompt_tokens))
-        v = min(pow2(self.vision_tokens), p) if self.vision_tokens else 0
+        v = max(self.vision_tokens, min(pow2(self.vision_tokens), p - 2)) if self.vision_tokens else 0
         k = p // self.prompt_tokens if cfg.programs.packing else 1
         if (p, v, k) == (self.prompt_tokens, self.vision_tokens, 1):
             return self

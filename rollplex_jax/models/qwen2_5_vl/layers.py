@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from rollplex_jax.models.platform import platform
+
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ w[out, in].T (+ b)."""
@@ -68,7 +70,7 @@ def compiler_options(remat: str) -> dict | None:
     optimization barriers (XLA's CPU pipeline removes them before its last CSE pass, which then merges the
     backward's recomputation into the forward and undoes most of the remat: measured 128 -> 72 MiB temp on an
     8-layer toy once kept). GPU pipelines remove them only after scheduling: nothing to change there."""
-    if remat == "none" or jax.default_backend() != "cpu":
+    if remat == "none" or platform() != "cpu":
         return None
     return {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
