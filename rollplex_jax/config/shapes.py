@@ -147,6 +147,12 @@ class VisionChunkSizes:
     batch_units: int
 
 
+def prefix_rows_total(cfg: Config) -> int:
+    """Prefix rows of a step: one per prompt with prefix sharing, else one per answer."""
+    B, G = cfg.rl.batch_prompts, cfg.rollout.group_size
+    return B if cfg.run.prefix_sharing else B * G
+
+
 def vision_chunk_sizes(cfg: Config, largest_frame: int, mean_tokens: float, max_tokens: int) -> VisionChunkSizes:
     """The vision chunk settings left to the data (0) resolved from a training set's (or the planner's) vision
     tokens: a device's part of a chunk holds its largest frame and, up to one prompt's tokens
@@ -156,7 +162,7 @@ def vision_chunk_sizes(cfg: Config, largest_frame: int, mean_tokens: float, max_
     chunk (first-fit leaves every part but one at least half full). Rows: the step's prefix rows (one per prompt
     with prefix sharing), split over the batch shards (``--train_fsdp``)."""
     d = cfg.data
-    rows = cfg.rl.batch_prompts * (1 if cfg.run.prefix_sharing else cfg.rollout.group_size)
+    rows = prefix_rows_total(cfg)
     shards = cfg.mesh.train_fsdp
     share = min(math.ceil(rows * mean_tokens / shards), d.max_prompt_len)
     units = d.vision_chunk_units or pow2(max(largest_frame, share))

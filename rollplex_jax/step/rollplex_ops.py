@@ -258,7 +258,7 @@ class RollplexOps:
             else:
                 inputs, part_emb = self._part(blk.p0, blk.p1)
                 g, m, d = self.sp.grads_recompute(params, inputs, part_emb if emb is None else emb, ans)
-                d_emb = d if d_emb is None or d is None else d_emb + d
+                d_emb = d if d_emb is None else d_emb + d
             acc = g if acc is None else self.accumulate(acc, g)
             parts.append(m)
         if use_res:

@@ -22,14 +22,8 @@ from __future__ import annotations
 import math
 
 from rollplex_jax.config import Config
-from rollplex_jax.config.shapes import planned_micro_batch, pow2
+from rollplex_jax.config.shapes import planned_micro_batch, pow2, prefix_rows_total
 from rollplex_jax.memory.planner.types import Lengths, PlanMesh, split_dim
-
-
-def prefix_rows_total(cfg: Config) -> int:
-    """Prefix rows of a step: one per prompt with prefix sharing, else one per answer."""
-    B, G = cfg.rl.batch_prompts, cfg.rollout.group_size
-    return B if cfg.run.prefix_sharing else B * G
 
 
 def answers_per_row(cfg: Config) -> int:

@@ -133,7 +133,7 @@ def plan_chunks(grids: np.ndarray, pixel_values: np.ndarray, spec: ChunkSpec, cf
                                        [len(r) for r in rows], frame, cfg))
         inputs.append(_stack(parts))
         offsets.append(base)
-        base += run[0][0][0] * len(run)
+        base += units * len(run)  # every part of a run has the same units
     whole = spec.chunk_units
     buffer = max(spec.buffer, -(-base // whole) * whole)
     return Chunks(inputs, offsets, np.pad(slots, (0, buffer - n_tokens)), buffer)
