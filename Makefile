@@ -13,11 +13,13 @@ export TOKENIZERS_PARALLELISM := false
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Every package at the exact version in constraints.txt (what the tests and the README's figures were made with;
+# `make lock` rewrites it from this .venv after a deliberate upgrade).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[cpu,dev]"
+	$(BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[cpu,dev]"
 	$(BIN)/python -m pip check
 	$(MAKE) gpu-aot
 	touch $(STAMP)
@@ -27,7 +29,14 @@ $(STAMP): pyproject.toml
 GPU_AOT_PKGS = $(shell $(BIN)/python -c "import tomllib; print(' '.join(repr(p) for p in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu-aot']))")
 .PHONY: gpu-aot
 gpu-aot:
-	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/gpu-aot $(GPU_AOT_PKGS)
+	$(BIN)/python -m pip install -q --no-deps --upgrade -c constraints.txt --target $(VENV)/gpu-aot $(GPU_AOT_PKGS)
+
+.PHONY: lock
+lock: $(STAMP)
+	{ echo "# Exact versions of .venv (make setup installs with -c constraints.txt) and .venv/gpu-aot; written by"; \
+	  echo "# \`make lock\` from a working .venv. Edit pyproject.toml for ranges, then make lock after testing."; \
+	  $(BIN)/python -m pip freeze --exclude-editable; \
+	  $(BIN)/python -m pip list --path $(VENV)/gpu-aot --format=freeze; } > constraints.txt
 
 # The suite in 2 worker processes (pytest-xdist: XLA compiles on one core, so two workers fill two), then the
 # tests that measure wall time alone (marker `timing`).

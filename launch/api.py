@@ -60,5 +60,8 @@ def runner_from_flagfile(path: str | os.PathLike, *, log=None, **overrides) -> R
     Raises:
       ConfigError: the flagfile is missing, a flag is unknown, or a value is invalid (names the flag).
     """
+    from rollplex_jax.parallel.distributed import colocate_with_torch
+
+    colocate_with_torch()  # effective while JAX's backend has not started in this process (a fresh kernel)
     cfg = config_from_flagfile(path, **overrides)
     return Runner(cfg, log=log, rebuild=lambda **more: config_from_flagfile(path, **{**overrides, **more}))

@@ -35,6 +35,7 @@ from absl import app, flags, logging
 
 from launch import flags as launch_flags
 from launch.bench_flops import serial_phase_rates
+from rollplex_jax.run.summary import versions
 
 _STEPS = flags.DEFINE_integer("bench_steps", 5, "Timed steps per mode.", lower_bound=1)
 _WARMUP = flags.DEFINE_integer("bench_warmup", 2, "Warm-up (compile) steps per mode.", lower_bound=0)
@@ -155,6 +156,7 @@ def main(argv):
         "update_diff": {name: {k: d[k] for k in ("max", "p999", "worst")} for name, d in dist.items()},
         "max_param_rel_diff": max(diffs.values(), default=0.0),  # per-tensor ||a - b|| / ||b||, for reference
         "param_rel_diff": diffs,
+        "versions": versions(),  # the stack this ran on (constraints.txt pins it for make setup)
     }
     if _SIMULATE.value:
         out["simulated"] = report.bench_calibration(cfg, hw, results)

@@ -242,6 +242,10 @@ _HELP = {
                          "the step fails naming the step and the engine, a checkpoint of the last finished step is "
                          "written and the run exits 1 (rerun with --resume). A hung decode cannot be stopped, so the "
                          "process ends (rollplex_jax/run/watchdog.py). 0 = no deadline.",
+    "vllm_gpu_memory_utilization": "With --engine=vllm: vLLM's gpu_memory_utilization (its weights, KV pool and "
+                                   "working set as a fraction of the card, sized when it starts). 0 (default): on a "
+                                   "GPU from the run's memory plan (what `python -m launch.plan` prints: the engine's "
+                                   "weight copy, KV cache and working set, plus 5% of the card), 0.3 on a CPU.",
     "batch_prompts": "B: prompts per RL step (B x G sequences).",
     "advantage": "Advantage estimator.",
     "norm_by_std": "GRPO: divide by the group std (--nonorm_by_std = Dr. GRPO).",

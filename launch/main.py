@@ -60,6 +60,9 @@ def _close_after_failure(runner) -> None:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    from rollplex_jax.parallel.distributed import colocate_with_torch
+
+    colocate_with_torch()
     start_distributed(flags.FLAGS)
     cfg = launch_flags.config_from_flags(flags.FLAGS)
     logging.set_verbosity(logging.WARNING)  # orbax/absl INFO lines would drown the progress bar

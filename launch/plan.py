@@ -8,9 +8,12 @@ Prints a table (phases as columns, buffer classes as rows, GiB per device, for b
 peaks, whether each fits --hbm_budget, the smallest budget that fits and every assumption), then one
 JSON object as the last stdout line (``--format=json``: only that line). The formulas and what they
 assume are in the ``rollplex_jax/memory/planner/`` modules (``layouts``: the layouts; ``activations``: the per-layer
-formulas; ``types``: mesh, lengths, program model).
+formulas; ``types``: mesh, lengths, program model). The buffers are counted as XLA's GPU compiler assigns them
+(``--target``, default h100; ``--target=cpu``: as the CPU's), and the last table line (JSON ``memory_fractions``)
+splits the card between XLA and the rollout engine: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` and vLLM's
+``gpu_memory_utilization`` from the plan (``planner/fractions.py``). JSON ``versions``: the stack it ran on.
 
-  python -m launch.plan --flagfile=... --compile [--target=cpu|h100|h200|h800|a100] [--format=json]
+  python -m launch.plan --flagfile=... --compile [--target=h100|h200|h800|a100|cpu] [--format=json]
 
 adds XLA's own bytes: every program of one step AOT-compiled for the plan's shapes (``rollplex_jax/memory/aot.py``;
 nothing is allocated, a mesh runs on fake CPU devices, or with a GPU ``--target`` on fake GPUs of that card compiled
@@ -32,6 +35,7 @@ disaggregated, speedups, assumptions; the ``rollplex_jax/sim/`` modules), writes
 --workdir unless --plot_out), JSON last.
 """
 
+import dataclasses
 import json
 
 from absl import app, flags
@@ -86,20 +90,21 @@ _COMPILE = flags.DEFINE_bool("compile", False, "Also AOT-compile the run's real 
                              "(rollplex_jax/memory/aot.py).")
 
 
-_TARGET = flags.DEFINE_enum("target", "cpu", ["cpu", "h100", "h200", "h800", "a100"],
-                            "With --compile: the device to compile for. cpu = XLA's CPU compiler on the visible (or "
-                            "fake CPU) devices, its CPU stand-ins labelled; h100 / h200 / h800 / a100 = XLA's GPU "
-                            "compiler for that card on the flagfile's mesh of fake GPUs, no GPU needed (the programs a "
-                            "GPU runs: its attention blocks and compiler options; needs `make gpu-aot`; "
-                            "rollplex_jax/memory/targets.py).")
+_TARGET = flags.DEFINE_enum("target", "h100", ["cpu", "h100", "h200", "h800", "a100"],
+                            "The device planned for, and with --compile compiled for. h100 (default) / h200 / h800 / "
+                            "a100: the planner counts buffers as XLA's GPU compiler assigns them, and --compile runs "
+                            "XLA's GPU compiler for that card on the flagfile's mesh of fake GPUs, no GPU needed (the "
+                            "programs a GPU runs: its attention blocks and compiler options; needs `make gpu-aot`; "
+                            "rollplex_jax/memory/targets.py). cpu: as XLA's CPU compiler and this CPU's runs do (the "
+                            "compile on the visible or fake CPU devices, its CPU stand-ins labelled).")
 
 
 def _programs(cfg):
     """The program model: the run's (--attention, --remat), or --plan_attention / --plan_remat where given."""
     from rollplex_jax.memory import planner
 
-    pm = planner.ProgramModel.of(cfg.programs)
-    return planner.ProgramModel(_ATTENTION.value or pm.attention, _REMAT.value or pm.remat)
+    pm = planner.ProgramModel.of(cfg.programs, platform="cpu" if _TARGET.value == "cpu" else "gpu")
+    return dataclasses.replace(pm, attention=_ATTENTION.value or pm.attention, remat=_REMAT.value or pm.remat)
 
 
 def _lengths(cfg):
@@ -187,6 +192,7 @@ def main(argv):
 
         targets.use_plugin()
     from rollplex_jax.memory import planner
+    from rollplex_jax.run.summary import versions
 
     if _SIMULATE.value:
         return simulate_main(cfg)
@@ -211,6 +217,8 @@ def main(argv):
         except planner.BudgetError as e:
             out["budget_decision"] = {"policy": None, "error": str(e)}
             budget_line += f"; with --hbm_budget={cfg.memory.hbm_budget}: {e}"
+    out["memory_fractions"] = fractions_section(cfg, p)
+    out["versions"] = versions()  # the stack this ran on (constraints.txt pins it for make setup)
     if _BASELINE.value:
         out["baseline"] = baseline_section(cfg, lengths, p.devices)
     if _COMPILE.value:
@@ -219,11 +227,39 @@ def main(argv):
         print(f"memory plan: {cfg.model.dtype}, {p.params.total:,} params, {p.devices} devices, per device")
         print(table(p, budget_line))
         print(sharing_table(out["weight_sharing"], p.devices))
+        print(fractions_line(out["memory_fractions"]))
         if _BASELINE.value:
             print(baseline_table(out["baseline"]))
         if _COMPILE.value:
             print(compiled_table(out))
     print(json.dumps(out))
+
+
+def fractions_section(cfg, p) -> dict:
+    """``planner.memory_fractions`` for the card: ``--hbm_budget``, else ``--target``'s memory, else (``--target=cpu``)
+    an H100's (said in ``card``)."""
+    from rollplex_jax.memory import planner, targets
+
+    if cfg.memory.budget_bytes:
+        card, hbm = f"--hbm_budget={cfg.memory.hbm_budget}", cfg.memory.budget_bytes
+    elif _TARGET.value != "cpu":
+        t = targets.target(_TARGET.value)
+        card, hbm = f"{t.name} (--target={t.key})", t.memory_bytes
+    else:
+        t = targets.target("h100")
+        card, hbm = f"{t.name} (assumed: give --target or --hbm_budget)", t.memory_bytes
+    return dict(planner.memory_fractions(p, hbm), card=card)
+
+
+def fractions_line(f: dict) -> str:
+    from rollplex_jax.memory import planner
+
+    fit = "fits" if f["fits"] else "DOES NOT FIT"
+    return (f"\nsharing one device with the engine ({f['card']}, {planner.human_bytes(f['hbm_bytes'])}): "
+            f"{f['env']} (JAX peak {planner.human_bytes(f['jax_peak_bytes'])}); vLLM gpu_memory_utilization="
+            f"{f['vllm_gpu_memory_utilization']:.2f} (its profiled weight copy, KV cache and working set: "
+            f"{planner.human_bytes(f['vllm_profiled_bytes'])}; {planner.human_bytes(f['torch_peak_bytes'])} once "
+            f"bound); {fit}, each with {f['slack']:.0%} of the card as slack")
 
 
 def baseline_section(cfg, lengths, devices: int) -> dict:

@@ -23,18 +23,22 @@ def _nbytes(*arrays) -> int:
     return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in arrays)
 
 
-@pytest.mark.parametrize("schedule", ["rollplex", "serial"])
+@pytest.mark.parametrize("schedule", ["rollplex", "rollplex_tower_inside", "serial"])
 def test_every_program_of_a_step_compiles_and_reports_bytes(schedule):
     """XLA's bytes of each program against figures known without XLA (tiny_cpu on one device, B = 16 prompts
     x G = 8 answers in one micro-batch, rows of 24 prompt tokens (4 image tokens = 16 patches) + 3 answer tokens):
     params P = 151,424 fp32 (planner.param_counts) = 605,696 B; AdamW state 2 P + two int32 step counts; a
     program's arguments are its inputs' bytes (every model input but ``next_position``, the decode's, and
     ``frame_gather``, videos', which the programs do not read; a traced prompt length is 4 B); its outputs the
-    arrays it returns (a tuple adds XLA's table of 8 B per element)."""
-    cfg = config_from_flagfile("configs/tiny_cpu.flags", schedule=schedule, kl_coef=0.1)
+    arrays it returns (a tuple adds XLA's table of 8 B per element). Rollplex encodes the images in vision chunks
+    (the default with shape buckets: ``vision_into`` into an embeddings buffer the prefix programs take,
+    ``vision_grads`` from its cotangent) or, with ``--vision_chunk_units=-1``, inside the prefix programs."""
+    inside = schedule == "rollplex_tower_inside"
+    cfg = config_from_flagfile("configs/tiny_cpu.flags", schedule="serial" if schedule == "serial" else "rollplex",
+                               kl_coef=0.1, **({"vision_chunk_units": -1} if inside else {}))
     c = aot.compiled_memory(cfg, LENGTHS)
-    want = {"rollplex": {"actor_prefix", "ref_prefix", "suffix_logp", "suffix_grads", "prefix_vjp", "clip",
-                         "update_chunk"},
+    split = {"actor_prefix", "ref_prefix", "suffix_logp", "suffix_grads", "prefix_vjp", "clip", "update_chunk"}
+    want = {"rollplex": split | {"vision_into", "vision_grads"}, "rollplex_tower_inside": split,
             "serial": {"ref_logprobs", "grad", "clip", "update_chunk"}}[schedule]
     assert set(c.programs) == want
     assert set(c.phase_bytes) == {"rollout", "score", "train", "update"}
@@ -48,7 +52,8 @@ def test_every_program_of_a_step_compiles_and_reports_bytes(schedule):
     assert pr["update_chunk"].alias == P + opt  # params and state donated: updated in place
 
     def reads(inputs):  # the model inputs a program reads
-        return _nbytes(*jax.tree.leaves(inputs)) - _nbytes(inputs.next_position, inputs.layout["frame_gather"])
+        unread = [inputs.next_position] + ([inputs.layout["frame_gather"]] if inputs.layout else [])
+        return _nbytes(*jax.tree.leaves(inputs)) - _nbytes(*unread)
 
     if schedule == "serial":
         rows, tr = 16 * 8, 3
@@ -62,16 +67,34 @@ def test_every_program_of_a_step_compiles_and_reports_bytes(schedule):
         # the score phase holds, beside the reference program, the actor's weights and its Adam state
         assert c.phase_bytes["score"] == pr["ref_logprobs"].total + P + opt
     else:
-        x = reads(A.inputs(16, 24, 4, 0))
+        buffer = tower = 0
+        if not inside:
+            buffer = pr["vision_into"].output  # the embeddings buffer [rows, out_hidden] fp32
+        x = reads(A.inputs(16, 24, 4, 0, slots=0 if inside else buffer // (4 * cfg.model.vision.out_hidden_size)))
+        if not inside:
+            assert buffer >= 16 * 4 * cfg.model.vision.out_hidden_size * 4  # every prompt's 4 image tokens
+            # the tower's params, a chunk (its pixels, at least the 16 patches of one image, and layout), the buffer,
+            # the offset: arguments a program does not read are dropped by jit
+            tower = _nbytes(*(a for k, a in A.params.items() if k.startswith("visual.")))
+            chunk = _nbytes(*jax.tree.leaves(A.chunk(planner.vision_chunks(cfg, LENGTHS), 24, 4)))
+            low = tower + buffer + 16 * cfg.model.vision.patch_dim * 4
+            assert low <= pr["vision_into"].argument <= tower + chunk + buffer + 4
+            assert pr["vision_into"].alias == buffer  # the buffer donated: written in place
+            assert P + low <= pr["vision_grads"].argument <= P + tower + chunk + buffer + 4  # + the accumulator
+            assert pr["vision_grads"].alias == P  # the accumulator, donated: added to in place
+            assert P <= pr["vision_grads"].output <= P + 8 * len(A.params)
+            assert c.live_bytes["train"]["emb_ct"] == buffer
         kv = 2 * 2 * 16 * 24 * 2 * 16 * 4  # (k, v) x 2 layers x 16 prompts x 24 tokens x 2 kv heads x 16 x fp32
         last = 16 * 32 * 4  # the last prompt token's logits over the 32-token vocabulary
+        text = P - (tower if not inside else 0)  # chunked: the prefix programs read no tower params
         for name in ("actor_prefix", "ref_prefix"):
-            assert pr[name].argument == P + x, name
+            assert pr[name].argument == text + x + buffer, name
         assert kv + last <= pr["ref_prefix"].output <= kv + last + 3 * 8
         residuals = c.live_bytes["rollout"]["prefix_residuals"]  # the kept vjp residuals' shapes (JAX's)
         assert kv + last + residuals <= pr["actor_prefix"].output <= kv + last + residuals + 1024
         assert pr["suffix_logp"].output == 16 * 8 * 3 * 4  # fp32 log-probs [16, 8, 3]
-        assert P <= pr["prefix_vjp"].output <= P + 8 * len(A.params)  # the prefix's parameter gradients
+        # the prefix's parameter gradients (+ chunked: the buffer's cotangent, for ``vision_grads``)
+        assert P + buffer <= pr["prefix_vjp"].output <= P + buffer + 8 * (len(A.params) + 1)
 
 
 def test_the_saved_prefix_state_holds_no_weights():
@@ -114,7 +137,8 @@ def test_a_mesh_divides_the_per_device_bytes():
 def test_launch_plan_compile_prints_compiled_and_planned_vs_compiled():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-m", "launch.plan", "--flagfile=configs/tiny_cpu.flags", "--compile",
-                        "--format=json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                        "--target=cpu", "--format=json"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert {"layouts", "compiled", "planned_vs_compiled"} <= set(out)

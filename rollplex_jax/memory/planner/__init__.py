@@ -35,7 +35,9 @@ from rollplex_jax.memory.planner.activations import (
 )
 from rollplex_jax.memory.planner.baseline import BASELINES, megatron_vllm
 from rollplex_jax.memory.planner.budget import Budget, choose_optimizer_policy, plan, smallest_budget
+from rollplex_jax.memory.planner.fractions import memory_fractions
 from rollplex_jax.memory.planner.layouts import WEIGHT_SHARING_RULE, build_plan
+from rollplex_jax.memory.planner.rollplex import chunk_count, vision_chunks
 from rollplex_jax.memory.planner.sizes import sharing_classification
 from rollplex_jax.memory.planner.types import (
     ATTENTIONS,
@@ -59,7 +61,8 @@ from rollplex_jax.memory.planner.types import (
 __all__ = [
     "ATTENTIONS", "BASELINES", "BWD_FACTOR", "DENSE_PROGRAMS", "DEFAULT_PROGRAMS", "LAYOUTS", "REMATS",
     "WEIGHT_SHARING_RULE", "Budget", "BudgetError", "GiB", "KiB", "Lengths", "MiB", "ParamCounts", "Pass", "Plan",
-    "PlanMesh", "ProgramModel", "build_plan", "choose_optimizer_policy", "human_bytes", "megatron_vllm",
+    "PlanMesh", "ProgramModel", "build_plan", "choose_optimizer_policy", "chunk_count",
+    "human_bytes", "megatron_vllm", "memory_fractions",
     "param_counts", "plan", "prefix_residual_bytes", "saved_activations", "sharing_classification",
-    "smallest_budget",
+    "smallest_budget", "vision_chunks",
 ]

@@ -166,7 +166,7 @@ def one_layer_saved(m: ModelConfig, r: int, t: int, tk: int, n: int, pm: Program
     """What one recomputed layer/block saves during the backward under remat (0 without remat)."""
     if pm.remat in ("none", "dots"):
         return 0.0
-    full = ProgramModel(pm.attention, "none", pm.prefill_chunk)
+    full = dataclasses.replace(pm, remat="none")
     return max(layer_saved(m, r, t, tk, full, tp),
                block_saved(m, n, full, n // r if r else None, True, tp) if n else 0.0)
 
@@ -203,14 +203,18 @@ def prefix_residual_bytes(m: ModelConfig, rows: int, prompt_tokens: int, vision_
     return saved_activations(m, Pass(t, prompt_tokens, prompt_tokens, n), pm, tp=tp)
 
 
-def backward_carry(m: ModelConfig, tokens: float, patches: float, tp: int = 1) -> float:
+def backward_carry(m: ModelConfig, tokens: float, patches: float, tp: int = 1, gpu: bool = False) -> float:
     """What a remat'd backward keeps per layer until its end: one fp32 and one dtype copy of each decoder
     layer's input stream and two fp32 copies of each vision block's (measured in CPU AOT compiles of the
     prefix vjp at Qwen2.5-VL-3B shapes, 8 prompts of 2048 tokens / 5120 patches: its temp grows 12.4 KB per
     token per decoder layer and 10.2 KB per patch per vision block; the 3B per-layer/block widths are 2048
     and 1280). On a tp group XLA splits these copies over tp (nothing constrains them): at 32B widths on
     tp 8 the recomputing gradient program's temp grows 14.7 KB per token per layer, the layer's saved input
-    (10.2 KB, whole) plus about (4 + 2) x 5120 / 8 B."""
+    (10.2 KB, whole) plus about (4 + 2) x 5120 / 8 B. XLA's GPU compile of the same programs (``gpu``) keeps one
+    16-bit copy per decoder layer and none of the vision blocks' (3B prefix vjp, 8 prompts of 2048 tokens: its
+    temp beyond the gathered weights is 2.46 GB, the 36 layers' [16384, 2048] bf16 inputs 2.42 GB)."""
     b = dtype_bytes(m)
+    if gpu:
+        return m.text.num_hidden_layers * tokens * m.text.hidden_size * b / tp
     return (m.text.num_hidden_layers * tokens * m.text.hidden_size * (F32 + b)
             + m.vision.depth * patches * m.vision.hidden_size * 2 * F32) / tp

@@ -51,6 +51,13 @@ def vision_chunks(cfg: Config, lengths: Lengths) -> ChunkSpec | None:
     return vision_chunk_spec(cfg, vision_chunk_sizes(cfg, t, t, t) if cfg.data.vision_chunk_units == 0 else None)
 
 
+def chunk_count(cfg: Config, ch: ChunkSpec, lengths: Lengths) -> int:
+    """Chunks of a step's prefix rows, each one image of the lengths' most vision tokens (whole images to a
+    full-attention row of ``ch.frame`` units, rows to a part, ``ch.groups`` parts to a chunk)."""
+    per_part = max(1, ch.frame // min(lengths.vision_tokens, ch.frame)) * (ch.units // ch.frame)
+    return min(ch.buffer // ch.chunk_units, math.ceil(rows.prefix_rows_total(cfg) / per_part / ch.groups))
+
+
 def _chunk_sets(cfg: Config, ch: ChunkSpec | None, lengths: Lengths, pm: ProgramModel, tp: int) -> dict:
     """Chunked vision's bytes on a device: the embeddings buffer (whole on every device), the chunks' inputs
     (host-built, whole on the first device like the other inputs; one image of the lengths' most vision tokens
@@ -65,13 +72,12 @@ def _chunk_sets(cfg: Config, ch: ChunkSpec | None, lengths: Lengths, pm: Program
     unit = v.spatial_merge_size**2
     n, frame = ch.units * unit, ch.frame * unit
     fwd = Pass(0, 0, 0, n, frame)
-    per_part = max(1, ch.frame // min(lengths.vision_tokens, ch.frame)) * (ch.units // ch.frame)
-    n_chunks = min(ch.buffer // ch.chunk_units, math.ceil(rows.prefix_rows_total(cfg) / per_part / ch.groups))
+    n_chunks = chunk_count(cfg, ch, lengths)
     # the chunk's pixels are the program's input: in an fp32 model their cast to the dtype copies nothing
     no_cast = n * v.patch_dim * b if b == F32 else 0.0
     grads = (saved_activations(m, fwd, pm, tp, text_const=False) - no_cast
              + BWD_FACTOR * block_temp(m, n, pm, frame, tp)
-             + one_layer_saved(m, 0, 0, 0, n, pm, tp) + backward_carry(m, 0, n, tp))
+             + one_layer_saved(m, 0, 0, 0, n, pm, tp) + backward_carry(m, 0, n, tp, pm.gpu))
     return {"buffer": ch.buffer * v.out_hidden_size * b,
             "inputs": n_chunks * ch.groups * (n * (v.patch_dim * F32 + 2 * 4) + ch.units * 8 + ch.windows * 4),
             "encode": block_temp(m, n, pm, frame, tp) + 2 * n * v.hidden_size * b,
@@ -93,7 +99,7 @@ def _prefix_backward(m: ModelConfig, r: float, Tp: int, patches: float, pm: Prog
     two, not the larger one), what the recomputed layer saves, and the per-layer carry."""
     n, t = r * patches, rows.packed(r, lengths)
     return (BWD_FACTOR * (layer_temp(m, t, Tp, Tp, pm, tp) + block_temp(m, n, pm, patches, tp))
-            + one_layer_saved(m, t, Tp, Tp, n, pm, tp) + backward_carry(m, t * Tp, n, tp))
+            + one_layer_saved(m, t, Tp, Tp, n, pm, tp) + backward_carry(m, t * Tp, n, tp, pm.gpu))
 
 
 def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s: Sizes) -> dict:
@@ -118,13 +124,15 @@ def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramMode
                   + max(layer_temp(m, Bt, Tp, Tp, pm, tp), block_temp(m, nv, pm, Tv * v.spatial_merge_size**2, tp)
                         + 2 * nv * v.hidden_size * b))
     r_s = rows.micro_batch_rows(cfg, mesh)  # answer rows per micro-batch per device
-    # scoring: the fp32 logits and one fp32 temporary per logit (log-softmax fused; measured with aot)
+    # scoring: the fp32 logits and one fp32 temporary per logit (log-softmax fused; measured with aot on CPU), or
+    # their 16-bit originals (GPU); the gradient: four fp32 and a 16-bit copy (CPU), two of each (GPU)
+    score_logit, train_logit = (F32 + b, 2 * F32 + 2 * b) if pm.gpu else (2 * F32, 2 * F32 + b + 2 * F32)
     suffix_score = (2 * r_s * Tr * x.hidden_size * b + layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)
-                    + r_s * s.logits_row * Tr * 2 * F32)
+                    + r_s * s.logits_row * Tr * score_logit)
     suffix_train = (saved_activations(m, Pass(r_s, Tr, Tp + Tr), pm, tp)
                     + BWD_FACTOR * layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)
                     + one_layer_saved(m, r_s, Tr, Tp + Tr, 0, pm, tp)
-                    + r_s * s.logits_row * Tr * (2 * F32 + b + 2 * F32))
+                    + r_s * s.logits_row * Tr * train_logit)
     recompute = (saved_activations(m, Pass(mb_t, Tp, Tp, mb_rows * patches, patches or None), pm, tp)
                  + max(suffix_train, _prefix_backward(m, mb_rows, Tp, patches, pm, tp, lengths)))
     kv_row = _kv_row(m, Tp, tp)
@@ -192,6 +200,6 @@ def rollplex(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s:
         later = dict(rp["train"], boundary_kv=0.0, prefix_residuals=0.0, activations=a["train_later"])
         rp["train"] = max(first, later, key=lambda c: sum(c.values()))
     rp["update"]["gradients"] = 2 * s.compute  # the accumulated gradients and their clipped copy
-    # the fp32 AdamW temporaries: one chunk's when offloaded, the whole shard's when resident
-    rp["update"]["activations"] = 2 * s.opt_elems * F32 / (chunks if offload else 1)
+    # the fp32 AdamW temporaries: one chunk's when offloaded, the whole shard's when resident (CPU; none on GPU)
+    rp["update"]["activations"] = 0.0 if pm.gpu else 2 * s.opt_elems * F32 / (chunks if offload else 1)
     return rp

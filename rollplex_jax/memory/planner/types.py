@@ -77,6 +77,10 @@ class ProgramModel:
     attention: str = "flash"
     remat: str = "layer"
     prefill_chunk: int = 8192  # tokens the rollout engine prefills per step (vLLM chunked prefill)
+    # whose compiler's buffers: "gpu" (calibrated against XLA's GPU compile of the programs, ``launch.plan
+    # --compile --target=h100``; the default) or "cpu" (against the CPU meter and CPU compile: what a run on CPU
+    # holds; ``memory.policy`` plans a run for its own backend). Where they differ: ``PLATFORM_NOTES``.
+    platform: str = "gpu"
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -85,12 +89,20 @@ class ProgramModel:
             raise ValueError(f"remat={self.remat!r}: one of {', '.join(REMATS)}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1")
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"platform={self.platform!r}: one of {', '.join(PLATFORMS)}")
 
     @classmethod
-    def of(cls, programs) -> ProgramModel:
+    def of(cls, programs, platform: str = "gpu") -> ProgramModel:
         """The model of the programs a ``config.ProgramConfig`` builds: blockwise (and cuDNN, which falls back to
-        it) attention is ``flash`` (O(T) state per layer), ``dense`` is dense; remat as configured."""
-        return cls(attention="dense" if programs.attention == "dense" else "flash", remat=programs.remat)
+        it) attention is ``flash`` (O(T) state per layer), ``dense`` is dense; remat as configured; compiled for
+        ``platform``."""
+        return cls(attention="dense" if programs.attention == "dense" else "flash", remat=programs.remat,
+                   platform=platform)
+
+    @property
+    def gpu(self) -> bool:
+        return self.platform == "gpu"
 
     def describe(self) -> str:
         att = ("flash attention (memory-efficient kernel: O(T) attention state per layer)" if self.attention == "flash"
@@ -100,9 +112,20 @@ class ProgramModel:
                "dots": "per-layer checkpointing that saves the weight matmuls' outputs (planned as no remat: an "
                        "upper bound)",
                "none": "no activation checkpointing (every residual of the forward is saved)"}[self.remat]
-        return f"programs: {att}; {rem}"
+        return f"programs: {att}; {rem}; buffers as XLA's {self.platform.upper()} compiler assigns them"
 
 
+PLATFORMS = ("gpu", "cpu")
+# What XLA's GPU compiler does differently from its CPU one, as the planner counts it (measured on the 3B, 7B and
+# 32B flagfiles' programs: WORKSPACE.md, "GPU-true memory without a GPU"):
+PLATFORM_NOTES = (
+    "the optimizer's programs (clip, AdamW chunk) have no temporaries on GPU (fused in place; CPU: two fp32 "
+    "copies of the chunk)",
+    "the log-probs over the vocabulary hold fp32 logits and their 16-bit originals on GPU (CPU: two fp32 copies); "
+    "their gradient two of each (CPU: four fp32 and a 16-bit)",
+    "a remat'd backward carries one 16-bit copy of each decoder layer's input stream on GPU and none of the vision "
+    "blocks' beyond their saved inputs (CPU: an fp32 and a 16-bit copy per layer, two fp32 per block)",
+)
 DENSE_PROGRAMS = ProgramModel(attention="dense", remat="none")  # --attention=dense --remat=none: the oracle
 DEFAULT_PROGRAMS = ProgramModel(attention="flash", remat="layer")  # the default ProgramConfig
 
