@@ -334,8 +334,8 @@ def _compiled_memory(cfg: Config, lengths, policy: str, frames: int, devices: li
         else:
             _serial(ph, cfg, A, progs, lengths, frames, base, {} if offload else resident)
         grads = A.params
-        # the step's inputs and vision embeddings buffer live until the step ends (after its update)
-        kept = {k: v for k, v in ph.live["train"].items() if k in ("other", "emb")}
+        # the step's inputs, vision chunks and embeddings buffer live until the step ends (after its update)
+        kept = {k: v for k, v in ph.live["train"].items() if k in ("other", "emb", "chunks")}
         _update_phase(ph, progs.optimizer, A.params, opt, grads,
                       dict(base, **({} if offload else resident), **kept,
                            gradients=abstract_shard_bytes(grads)), offload)

@@ -45,7 +45,7 @@ def _chunked_vision(ph: _Phases, cfg: Config, A: Abstract, sp, lengths, frames: 
     dtype = next(x.dtype for k, x in A.params.items() if k.startswith("visual.merger"))
     buf = A.array((ch.buffer, cfg.model.vision.out_hidden_size), dtype)
     pb, emb = ph.compile(sp.vision_into, A.params, vin, buf, 0)
-    ph.add("rollout", "vision_into", pb, {"compute_weights", "other", "emb"})
+    ph.add("rollout", "vision_into", pb, {"compute_weights", "emb"}, partial=abstract_shard_bytes(vin))
     return _Vision(ch.buffer, emb, emb, vin, chunk_count(cfg, ch, lengths) * abstract_shard_bytes(vin))
 
 
@@ -89,9 +89,11 @@ def rollplex_programs(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, fra
     res = cfg.run.actor_prefix == "residuals"
     P0 = P // cfg.rl.mini_batches if res else P
     vis, inputs, inputs0 = _vision(ph, cfg, A, sp, lengths, frames, P, P0)
-    live = dict(base, **resident, other=abstract_shard_bytes(inputs) + vis.chunk_inputs)
+    live = dict(base, **resident, other=abstract_shard_bytes(inputs))
     if vis.emb is not None:
         live["emb"] = abstract_shard_bytes(vis.emb)
+    if vis.chunk_inputs:  # every chunk's pixels and layout, on the device for the step (a program takes one)
+        live["chunks"] = vis.chunk_inputs
     fn = sp.actor_prefix.program if res else sp.prefix
     pb, out = ph.compile(fn, A.params, inputs0, vis.emb0)
     ph.add("rollout", "actor_prefix", pb, {"compute_weights", "other", "emb", "boundary_kv", "prefix_residuals"})
@@ -166,5 +168,6 @@ def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, first
     if trained:
         acc = jax.tree.map(lambda x: x, A.params)
         pb, _ = ph.compile(sp.vision_grads, acc, A.params, vis.chunk, vis.emb, 0)
-        ph.add("train", "vision_grads", pb, {"compute_weights", "gradients", "emb_ct"})
+        ph.add("train", "vision_grads", pb, {"compute_weights", "gradients", "emb_ct"},
+               partial=abstract_shard_bytes(vis.chunk))
     ph.live["train"] = live
