@@ -198,6 +198,25 @@ def test_cli_32b_plan_fits_80gib_and_beats_naive_colocation():
     assert f["env"] in r.stdout and f"gpu_memory_utilization={f['vllm_gpu_memory_utilization']:.2f}" in r.stdout
 
 
+def test_the_gpu_calibration_differs_from_the_cpu_one_where_the_compilers_differ():
+    """``ProgramModel.platform`` (planner/types.py ``PLATFORM_NOTES``): no optimizer temporaries on GPU, fewer logit
+    copies in scoring and training, a smaller backward carry; everything else the same."""
+    cfg = Config(model=dataclasses.replace(tiny_model_config(), dtype="bfloat16"))  # fp32: the logit copies agree
+    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, kl_coef=0.1))  # a reference: the score phase
+    lengths = planner.Lengths(prompt_tokens=64, vision_tokens=16, response_tokens=8)
+    gpu, cpu = (planner.plan(cfg, lengths, programs=planner.ProgramModel(platform=p)).layouts["rollplex"]
+                for p in ("gpu", "cpu"))
+    assert gpu["update"]["activations"] == 0 < cpu["update"]["activations"]
+    for phase in ("score", "train"):
+        assert gpu[phase]["activations"] < cpu[phase]["activations"], phase
+    for phase in PHASES:
+        assert {c: v for c, v in gpu[phase].items() if c != "activations"} == \
+            {c: v for c, v in cpu[phase].items() if c != "activations"}, phase
+    assert planner.ProgramModel.of(cfg.programs).platform == "gpu"  # the default calibration
+    with pytest.raises(ValueError, match="platform"):
+        planner.ProgramModel(platform="tpu")
+
+
 def test_memory_fractions_cover_each_side_with_its_slack():
     """XLA's fraction holds the plan's JAX peak, vLLM's utilization what it holds when it profiles (its own weight
     copy, the KV cache, its working set), each plus 5% of the card, rounded up to a hundredth; a card that holds
