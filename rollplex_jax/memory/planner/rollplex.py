@@ -127,8 +127,12 @@ def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramMode
     # scoring: the fp32 logits and one fp32 temporary per logit (log-softmax fused; measured with aot on CPU), or
     # their 16-bit originals (GPU); the gradient: four fp32 and a 16-bit copy (CPU), two of each (GPU)
     score_logit, train_logit = (F32 + b, 2 * F32 + 2 * b) if pm.gpu else (2 * F32, 2 * F32 + b + 2 * F32)
-    suffix_score = (2 * r_s * Tr * x.hidden_size * b + layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)
-                    + r_s * s.logits_row * Tr * score_logit)
+    score_layers = 2 * r_s * Tr * x.hidden_size * b + layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)
+    score_logits = r_s * s.logits_row * Tr * score_logit
+    # on GPU the logits' moment holds nothing else (the 3B suffix_logp's temp is exactly its logits): the larger
+    # of the layers' moment (with the gathered weights) and the logits'; on CPU both together (measured with aot)
+    suffix_score = (max(score_layers + s.gathered.text_forward, score_logits) if pm.gpu
+                    else score_layers + score_logits + s.gathered.text_forward)
     suffix_train = (saved_activations(m, Pass(r_s, Tr, Tp + Tr), pm, tp)
                     + BWD_FACTOR * layer_temp(m, r_s, Tr, Tp + Tr, pm, tp)
                     + one_layer_saved(m, r_s, Tr, Tp + Tr, 0, pm, tp)
@@ -153,7 +157,7 @@ def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramMode
                                             text_rows=rows.packed(res_rows, lengths))
         if residuals else 0.0,
         "rollout": s.engine_tmp + max(prefix_fwd, cs["encode"]) + s.gathered.forward,
-        "score": suffix_score + s.gathered.text_forward if suffix_logp else 0.0,
+        "score": suffix_score if suffix_logp else 0.0,
         # chunked vision: the buffer's cotangent beside each, then the tower's gradient chunk by chunk; a later
         # mini-batch also holds its buffer encoded again under its params
         "train_first": max(first, cs["grads"]) + d_emb + grad_extra,
