@@ -166,8 +166,8 @@ def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, first
         pb, _ = ph.compile(sp.grads_recompute, A.params, inputs, emb, answers)
         ph.add("train", "grads_recompute", pb, {"compute_weights"} | ({"emb"} if vis.slots else set()))
     if trained:
-        acc = jax.tree.map(lambda x: x, A.params)
-        pb, _ = ph.compile(sp.vision_grads, acc, A.params, vis.chunk, vis.emb, 0)
+        # the accumulator has the params' shapes and shardings (the cotangent the buffer's: ``vis.emb``)
+        pb, _ = ph.compile(sp.vision_grads, A.params, A.params, vis.chunk, vis.emb, 0)
         ph.add("train", "vision_grads", pb, {"compute_weights", "gradients", "emb_ct"},
                partial=abstract_shard_bytes(vis.chunk))
     ph.live["train"] = live
