@@ -18,7 +18,9 @@ splits the card between XLA and the rollout engine: ``XLA_PYTHON_CLIENT_MEM_FRAC
 adds XLA's own bytes: every program of one step AOT-compiled for the plan's shapes (``rollplex_jax/memory/aot.py``;
 nothing is allocated, a mesh runs on fake CPU devices, or with a GPU ``--target`` on fake GPUs of that card compiled
 by XLA's GPU compiler: ``rollplex_jax/memory/targets.py``), per program and per phase, the plan's JAX-side bytes
-over them (``planned_vs_compiled``) and the compiled peak with the plan's torch-side bytes (``compiled_peak_bytes``).
+over them (``planned_vs_compiled``) and the compiled peak with the plan's torch-side bytes (``compiled_peak_bytes``),
+and what one run of each program costs per device as read from its compiled HLO (FLOPs, bytes moved, kernels,
+collective bytes; ``rollplex_jax/programs/hlo_cost.py``).
 
   python -m launch.plan --flagfile=... --baseline=megatron_vllm [--gpu_memory_utilization=0.9]
 
@@ -32,7 +34,10 @@ each one moves the peak (x0.5 / x2 or its alternative), beside the paper's ~165 
 
 predicts the step time instead (phases x schedules serial / rollplex / overlap_only / sharing_only /
 disaggregated, speedups, assumptions; the ``rollplex_jax/sim/`` modules), writes plan_timeline.png (under
---workdir unless --plot_out), JSON last.
+--workdir unless --plot_out), JSON last. With ``--compile [--target=...]`` it first compiles the Rollplex and the
+serial programs of one step and times the reference / actor / update phases of the schedules that run them on
+their compiled FLOPs and bytes instead of the cost model's (``rollplex_jax/sim/compiled.py``; JSON ``sources``:
+compiled or model per phase, ``details.compiled_vs_model``: both counts per phase).
 """
 
 import dataclasses
@@ -87,7 +92,9 @@ _GPU_UTIL = flags.DEFINE_float("gpu_memory_utilization", 0.9, "With --baseline=m
 _COMPILE = flags.DEFINE_bool("compile", False, "Also AOT-compile the run's real programs for these shapes for "
                              "--target (nothing is allocated; cpu: with fake CPU devices for a mesh larger than the "
                              "visible devices) and print XLA's bytes per program and phase beside the plan "
-                             "(rollplex_jax/memory/aot.py).")
+                             "(rollplex_jax/memory/aot.py) and each program's FLOPs and bytes moved from its compiled "
+                             "HLO. With --simulate: the reference, actor and update phases timed on the compiled "
+                             "programs' FLOPs and bytes (rollplex_jax/sim/compiled.py).")
 
 
 _TARGET = flags.DEFINE_enum("target", "h100", ["cpu", "h100", "h200", "h800", "a100"],
@@ -103,7 +110,7 @@ def _programs(cfg):
     """The program model: the run's (--attention, --remat), or --plan_attention / --plan_remat where given."""
     from rollplex_jax.memory import planner
 
-    pm = planner.ProgramModel.of(cfg.programs, platform="cpu" if _TARGET.value == "cpu" else "gpu")
+    pm = planner.ProgramModel.of(cfg.programs, platform=_TARGET.value)
     return dataclasses.replace(pm, attention=_ATTENTION.value or pm.attention, remat=_REMAT.value or pm.remat)
 
 
@@ -303,15 +310,9 @@ def baseline_table(b: dict) -> str:
 def compiled_section(cfg, lengths, p) -> dict:
     """``compiled`` (per program: XLA's temp/argument/output/alias/total bytes per device) and, per phase of the
     schedule's layout, the compiled bytes and ``planned_vs_compiled`` (the plan's JAX-side bytes / compiled)."""
-    from rollplex_jax.memory import aot, targets
+    from rollplex_jax.memory import targets
 
-    t = None if _TARGET.value == "cpu" else targets.target(_TARGET.value)
-    try:
-        c = aot.compiled_memory(cfg, lengths, policy=p.optimizer_policy, frames=_FRAMES.value, target=t)
-    except RuntimeError as e:
-        if t is None or targets.INSTALL_HINT not in str(e):
-            raise
-        raise app.UsageError(f"--target={_TARGET.value}: {e}") from None
+    t, c = _compile(cfg, lengths, p.optimizer_policy)
     out = {"compiled": {k: v.to_dict() for k, v in c.programs.items()},
            "compiled_phases": c.to_dict()["phases"], "compiled_note": c.note,
            "compiled_target": t.to_dict() if t is not None else {"target": "cpu", "device": "XLA CPU"},
@@ -327,6 +328,30 @@ def compiled_section(cfg, lengths, p) -> dict:
     return out
 
 
+def _compile(cfg, lengths, policy: str):
+    """(the target or None for the CPU, ``aot.compiled_memory`` of one step of ``cfg`` for ``--target``)."""
+    from rollplex_jax.memory import aot, targets
+
+    t = None if _TARGET.value == "cpu" else targets.target(_TARGET.value)
+    try:
+        return t, aot.compiled_memory(cfg, lengths, policy=policy, frames=_FRAMES.value, target=t)
+    except RuntimeError as e:
+        if t is None or targets.INSTALL_HINT not in str(e):
+            raise
+        raise app.UsageError(f"--target={_TARGET.value}: {e}") from None
+
+
+def _compiled_costs(cfg, lengths) -> dict:
+    """{schedule: ``Compiled.step_costs()``} of the Rollplex and the serial programs compiled for ``--target``
+    (``--simulate --compile``: the simulator takes their FLOPs and bytes, ``sim/compiled.py``)."""
+    policy = "resident" if cfg.memory.optimizer_policy == "auto" else cfg.memory.optimizer_policy
+    out = {}
+    for schedule in ("rollplex", "serial"):
+        one = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, schedule=schedule))
+        out[schedule] = _compile(one, lengths, policy)[1].step_costs()
+    return out
+
+
 def compiled_table(out: dict) -> str:
     from rollplex_jax.memory import planner
 
@@ -337,6 +362,7 @@ def compiled_table(out: dict) -> str:
     for name, v in out["compiled"].items():
         lines.append(f"  {name:<16}" + "".join(gib(v[k]) for k in ("temp_bytes", "argument_bytes", "output_bytes",
                                                                        "alias_bytes", "total_bytes")))
+    lines += _cost_lines(out["compiled"])
     lines.append("per phase: the largest program with the phase's other live state (GiB per device)"
                  + ("; planned / compiled" if "planned_vs_compiled" in out else ""))
     for ph, v in out["compiled_phases"].items():
@@ -347,6 +373,18 @@ def compiled_table(out: dict) -> str:
         lines.append(f"compiled peak with the plan's torch-side bytes: {peak} ({out['compiled_peak_phase']})")
     lines.append(f"note: {out['compiled_note']}")
     return "\n".join(lines)
+
+
+def _cost_lines(programs: dict) -> list[str]:
+    """One run of each compiled program, per device, read from its optimized HLO (``programs/hlo_cost.py``)."""
+    lines = ["one run of each (per device, from the compiled HLO): GFLOP (matmuls), GB moved, GB by collectives, "
+             "kernels, loops of unknown trip count (counted once: a lower bound)"]
+    for name, v in programs.items():
+        c = v.get("cost") or {}
+        if c:
+            lines.append(f"  {name:<16}{c['flops'] / 1e9:12.1f}{c['bytes'] / 1e9:10.2f}{c['comm_bytes'] / 1e9:10.2f}"
+                         f"{c['kernels']:10.0f}{c['unknown_loops']:6d}")
+    return lines
 
 
 def _fake_devices(n: int) -> None:
@@ -384,7 +422,9 @@ def simulate_main(cfg):
                              recalibrate=_RECAL.value)
         programs = None if hw.default_programs == "dense" else _programs(cfg)
         kw = dict(response_mean=_RESP_MEAN.value or None, programs=programs)
-        sim = simulator.simulate(cfg, hw, lengths, _DEVICES.value or None, disagg_split=_SPLIT.value, **kw)
+        compiled = _compiled_costs(cfg, lengths) if _COMPILE.value else None
+        sim = simulator.simulate(cfg, hw, lengths, _DEVICES.value or None, disagg_split=_SPLIT.value,
+                                 compiled=compiled, **kw)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     out = sim.to_dict()

@@ -111,3 +111,75 @@ def test_a_tiny_step_compiles_for_h100(tmp_path):
     assert all(v["total_bytes"] > 0 for v in out["compiled"].values())
     worst = max(v["bytes"] for v in out["compiled_phases"].values())
     assert out["compiled_peak_bytes"] >= worst
+
+
+_CUDNN = """
+import json
+from rollplex_jax.memory import targets
+targets.use_plugin()
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from rollplex_jax.models.attention import KVSource, attention
+from rollplex_jax.models.platform import compiling_for
+from rollplex_jax.programs.hlo_cost import program_cost
+t = targets.TARGETS["h100"]
+mesh = Mesh(targets.devices(t, 1), ("x",))
+s = NamedSharding(mesh, P())
+q = jax.ShapeDtypeStruct((2, 1, 256, 4, 64), jnp.bfloat16, sharding=s)
+kv = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16, sharding=s)
+n = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=s)
+
+def loss(q, k, v, n):
+    valid = jnp.arange(256)[None, :] < n[:, None]  # right-padded keys: cuDNN takes their lengths
+    out = attention(q, [KVSource(k, v, valid, right_padded=True)], impl="cudnn")
+    return out.astype(jnp.float32).sum()
+
+def fmha(checks):
+    with compiling_for("gpu"), (targets.cudnn_checks(t) if checks else __import__("contextlib").nullcontext()):
+        c = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, n).compile()
+    return c.as_text().count('custom_call_target="__cudnn$fmha'), program_cost(c.as_text()).flops
+
+(calls, flops), (without, _) = fmha(True), fmha(False)
+print(json.dumps({"with_checks": calls, "without": without, "flops": flops}))
+"""
+
+
+@needs_plugin
+def test_cudnn_attention_compiles_for_h100_without_a_gpu():
+    """``--attention=cudnn`` for a GPU target: jax's cuDNN checks answer for the target's sm_90 and cuDNN
+    (``targets.cudnn_checks``), so XLA's GPU compiler gets the fused-attention calls (forward and backward),
+    whose FLOPs the HLO cost reader counts; without the substitution jax finds no local GPU and the call falls
+    back to blockwise (no cuDNN call)."""
+    r = _run(["-c", _CUDNN], 120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["with_checks"] >= 2 and out["without"] == 0, out
+    assert out["flops"] == (4 + 10) * 2 * 4 * 256 * 256 * 64  # forward + backward of B H T S d (hlo_cost.py)
+
+
+@needs_plugin
+def test_the_simulator_takes_the_h100_compile_of_both_schedules(tmp_path):
+    """``launch.plan --simulate --compile --target=h100`` on the tiny flagfile: the Rollplex and serial programs
+    compiled for an H100, their FLOPs (every loop trip counted) near the cost model's dot FLOPs, and the phases
+    they run timed on them. The model counts the FLOPs of the matmuls of each program as written; the compiled
+    programs add what the model leaves out (the attention's whole diagonal blocks, where the model takes the
+    causal half: measured 1.01-1.10 here), so 0.95-1.3. A loop counted once, or a program's runs per step
+    miscounted, is off by the layer or micro-batch count."""
+    r = _run(["-m", "launch.plan", "--flagfile=configs/tiny_cpu.flags", "--simulate", "--compile", "--target=h100",
+              "--sim_hardware=H100", f"--plot_out={tmp_path}/t.png"], 300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    cmp = out["details"]["compiled_vs_model"]
+    assert set(cmp) == {"rollplex", "serial"} and {"vision", "actor_prefix", "actor"} <= set(cmp["rollplex"])
+    for key, phases in cmp.items():
+        for phase, c in phases.items():
+            assert 0.95 <= c["flops_ratio"] <= 1.3, (key, phase, c)
+    src = out["sources"]
+    assert src["rollplex"]["actor_bwd"] == src["serial"]["actor_bwd"] == "compiled"
+    assert src["rollplex"]["decode"] == "model" and set(src["disaggregated"].values()) == {"model"}
+    hw, c = out["hardware"], cmp["rollplex"]["vision"]
+    link = hw["intra_bw"]  # the tiny mesh fits a node
+    ew = hw["elementwise_bw"] or hw["hbm_bw"] * 0.8
+    expect = (c["compiled_flops"] / (hw["peak_flops"]["float32"] * hw["mfu_forward"]) + c["compiled_bytes"] / ew
+              + c["compiled_kernels"] * hw["op_overhead_s"] + c["compiled_comm_bytes"] / link)
+    assert out["schedules"]["rollplex"]["phases_s"]["vision"] == pytest.approx(expect, rel=1e-9)

@@ -34,6 +34,7 @@ Inputs are the worst case the planner assumes (``planner.Lengths``): every row `
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import jax
@@ -50,16 +51,20 @@ from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs
 from rollplex_jax.models.qwen2_5_vl.params import param_shapes
 from rollplex_jax.parallel import mesh as mesh_lib
+from rollplex_jax.programs import hlo_cost
 
+log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class ProgramBytes:
-    """One compiled program's per-device bytes (``memory_analysis``)."""
+    """One compiled program's per-device bytes (``memory_analysis``) and what one run of it costs per device,
+    read from its optimized HLO (``programs/hlo_cost.py``: FLOPs, bytes moved, kernels, collective bytes)."""
 
     temp: int
     argument: int
     output: int
     alias: int
+    cost: dict | None = None
 
     @property
     def total(self) -> int:
@@ -67,9 +72,10 @@ class ProgramBytes:
 
     def to_dict(self) -> dict:
         return {"temp_bytes": self.temp, "argument_bytes": self.argument, "output_bytes": self.output,
-                "alias_bytes": self.alias, "total_bytes": self.total}
+                "alias_bytes": self.alias, "total_bytes": self.total, "cost": self.cost}
 
 
+TRITON_TILES = "Couldn't find output tile sizes"  # XLA GPU's error where no Triton GEMM tiling fits (compile_program)
 CPU_STANDIN = {"bfloat16": "float16"}  # model dtype -> the dtype its programs compile as on CPU (module doc)
 CPU_COMBINER = "cpu-all-reduce-combiner"  # disabled in CPU compiles on a mesh (module doc)
 
@@ -207,11 +213,26 @@ class Compiled:
     phase_program: dict[str, str]
     live_bytes: dict[str, dict[str, int]]
     note: str = ""
+    runs: dict[str, tuple[str, int, dict]] = dataclasses.field(default_factory=dict)
+
+    def step_costs(self) -> dict[str, dict]:
+        """Per device, one step's costs per simulator phase (``sim/phases.py``: vision, actor_prefix, ref_prefix,
+        reference, actor, update): each program's HLO cost (``programs/hlo_cost.py``) times its runs per step,
+        with the programs and runs that make it up."""
+        out: dict[str, dict] = {}
+        for name, (phase, runs, cost) in self.runs.items():
+            o = out.setdefault(phase, {"flops": 0.0, "bytes": 0.0, "kernels": 0.0, "comm_bytes": 0.0,
+                                       "unknown_loops": 0, "programs": {}})
+            for k in ("flops", "bytes", "kernels", "comm_bytes"):
+                o[k] += runs * cost[k]
+            o["unknown_loops"] += cost["unknown_loops"]
+            o["programs"][name] = runs
+        return out
 
     def to_dict(self) -> dict:
         return {"programs": {k: v.to_dict() for k, v in self.programs.items()},
                 "phases": {p: {"bytes": b, "program": self.phase_program[p], "live_bytes": self.live_bytes[p]}
-                           for p, b in self.phase_bytes.items()}, "note": self.note}
+                           for p, b in self.phase_bytes.items()}, "note": self.note, "step_costs": self.step_costs()}
 
 
 class _Phases:
@@ -222,12 +243,21 @@ class _Phases:
         self.programs: dict[str, ProgramBytes] = {}
         self.entries: dict[str, list[tuple[str, set[str], int]]] = {}
         self.live: dict[str, dict[str, int]] = {}
+        self.runs: dict[str, tuple[str, int, dict]] = {}
 
-    def add(self, phase: str, name: str, pb: ProgramBytes, uses: set[str], partial: int = 0) -> None:
+    def add(self, phase: str, name: str, pb: ProgramBytes, uses: set[str], partial: int = 0, *, sim: str = "",
+            runs: int = 1) -> None:
         """``uses``: live classes among the program's arguments/outputs; ``partial``: bytes of other live
-        classes it takes only in part (an optimizer chunk)."""
+        classes it takes only in part (an optimizer chunk); ``sim``, ``runs``: ``count``'s."""
         self.programs[name] = pb
         self.entries.setdefault(phase, []).append((name, uses, partial))
+        self.count(name, pb, sim, runs)
+
+    def count(self, name: str, pb: ProgramBytes, sim: str, runs: int) -> None:
+        """Counts ``runs`` runs of the program per step in the simulator's phase ``sim`` (``Compiled.step_costs``);
+        a program that holds no memory of its own worth planning (a second run at other shapes) is counted only."""
+        if sim and runs and pb.cost is not None:
+            self.runs[name] = (sim, runs, pb.cost)
 
     def compile(self, fn, *args):
         return compile_program(fn, *args, options=self.options)
@@ -240,17 +270,24 @@ class _Phases:
                 extra = sum(v for k, v in live.items() if k not in uses) - partial
                 best = max(best, (self.programs[name].total + extra, name))
             phase_bytes[phase], phase_program[phase] = int(best[0]), best[1]
-        return Compiled(self.programs, phase_bytes, phase_program, self.live, self.note)
+        return Compiled(self.programs, phase_bytes, phase_program, self.live, self.note, dict(self.runs))
 
 
 def compile_program(fn, *args, options: dict | None = None):
     """(per-device bytes, abstract outputs with the compiled program's output shardings); ``options``: XLA
     options added to the program's own (a later ``xla_disable_hlo_passes`` replaces an earlier one)."""
     lowered = fn.lower(*args)
-    compiled = lowered.compile(compiler_options=options)
+    try:
+        compiled = lowered.compile(compiler_options=options)
+    except jax.errors.JaxRuntimeError as e:  # XLA GPU without a device: no tiling for some small GEMMs
+        if TRITON_TILES not in str(e):
+            raise
+        log.warning("%s: XLA GPU found no Triton tiling for a GEMM without autotuning (%s); compiling its GEMMs "
+                    "for cuBLAS instead (--xla_gpu_enable_triton_gemm=false)", fn, str(e).splitlines()[0][:200])
+        compiled = lowered.compile(compiler_options={**(options or {}), "xla_gpu_enable_triton_gemm": False})
     a = compiled.memory_analysis()
     pb = ProgramBytes(int(a.temp_size_in_bytes), int(a.argument_size_in_bytes), int(a.output_size_in_bytes),
-                      int(a.alias_size_in_bytes))
+                      int(a.alias_size_in_bytes), hlo_cost.program_cost(compiled.as_text()).to_dict())
     outs = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), lowered.out_info,
                         compiled.output_shardings)
     return pb, outs
@@ -280,7 +317,7 @@ def _update_phase(ph: _Phases, optimizer, params, opt, grads, live: dict, offloa
     (the largest chunk). Offloaded, the optimizer state is on the device only as the chunk that program
     takes; resident, all of it is live and the chunk is part of it."""
     pb, (clipped, _, ok) = ph.compile(optimizer._clip, grads)
-    ph.add("update", "clip", pb, {"gradients", "clipped"})
+    ph.add("update", "clip", pb, {"gradients", "clipped"}, sim="update")
     sizes = [abstract_shard_bytes({k: params[k] for k in g}) for g in optimizer.names]
     i = int(np.argmax(sizes))
     group = optimizer.names[i]
@@ -288,8 +325,9 @@ def _update_phase(ph: _Phases, optimizer, params, opt, grads, live: dict, offloa
     pb, _ = ph.compile(optimizer._chunk, *args)
     live = dict(live, clipped=abstract_shard_bytes(clipped))
     ph.live["update"] = live
-    ph.add("update", "update_chunk", pb, set(),
-           partial=abstract_shard_bytes((args[0], args[3]) if offload else args[:4]))
+    ph.add("update", "update_chunk", pb, set(),  # runs: every chunk at the largest's cost (an upper bound)
+           partial=abstract_shard_bytes((args[0], args[3]) if offload else args[:4]), sim="update",
+           runs=len(optimizer.names))
 
 
 def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int = 0,
@@ -305,7 +343,7 @@ def compiled_memory(cfg: Config, lengths, policy: str = "resident", frames: int 
     note = (f"compiled for {target.name} (sm_{''.join(map(str, target.capability))}) by XLA's GPU compiler without a "
             "device: default GEMM tiles (no autotuning); NCCL buffers, cuBLAS/cuDNN workspaces and allocator slack "
             "are not in these bytes")
-    with compiling_for("gpu"):
+    with compiling_for("gpu"), targets.cudnn_checks(target):
         return _compiled_memory(cfg, lengths, policy, frames, devices, note)
 
 
@@ -364,8 +402,9 @@ def _serial(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, frames: int, 
     ph.live["rollout"] = dict(base, **resident)
     if cfg.rl.uses_reference:
         pb, _ = ph.compile(progs.ref_logprobs, A.params, inputs, Tp, ids, A.array((mb, Tr), jnp.int32))
-        ph.add("score", "ref_logprobs", pb, {"ref_weights"}, partial=abstract_shard_bytes(inputs))
+        ph.add("score", "ref_logprobs", pb, {"ref_weights"}, partial=abstract_shard_bytes(inputs), sim="reference",
+               runs=n_mb)
     ph.live["score"] = dict(base, **resident, other=other)
     pb, _ = ph.compile(progs.grad, A.params, inputs, Tp, _answers(cfg, A, ids, f32, A.array((mb,), jnp.float32)))
-    ph.add("train", "grad", pb, {"compute_weights"}, partial=abstract_shard_bytes(inputs))
+    ph.add("train", "grad", pb, {"compute_weights"}, partial=abstract_shard_bytes(inputs), sim="actor", runs=n_mb)
     ph.live["train"] = dict(base, **resident, other=other, gradients=abstract_shard_bytes(A.params))

@@ -32,6 +32,7 @@ class _Vision(NamedTuple):
     emb0: object
     chunk: object
     chunk_inputs: int
+    chunks: int = 0  # how many (the programs on a chunk run once per chunk)
 
 
 def _chunked_vision(ph: _Phases, cfg: Config, A: Abstract, sp, lengths, frames: int) -> _Vision | None:
@@ -45,8 +46,12 @@ def _chunked_vision(ph: _Phases, cfg: Config, A: Abstract, sp, lengths, frames: 
     dtype = next(x.dtype for k, x in A.params.items() if k.startswith("visual.merger"))
     buf = A.array((ch.buffer, cfg.model.vision.out_hidden_size), dtype)
     pb, emb = ph.compile(sp.vision_into, A.params, vin, buf, 0)
-    ph.add("rollout", "vision_into", pb, {"compute_weights", "emb"}, partial=abstract_shard_bytes(vin))
-    return _Vision(ch.buffer, emb, emb, vin, chunk_count(cfg, ch, lengths) * abstract_shard_bytes(vin))
+    n = chunk_count(cfg, ch, lengths)
+    ph.add("rollout", "vision_into", pb, {"compute_weights", "emb"}, partial=abstract_shard_bytes(vin), sim="vision",
+           runs=n)
+    if cfg.rl.uses_reference and not cfg.optim.freeze_vision:  # the reference encodes its own buffer
+        ph.count("vision_into (reference)", pb, "ref_prefix", n)
+    return _Vision(ch.buffer, emb, emb, vin, n * abstract_shard_bytes(vin), n)
 
 
 def _vision(ph: _Phases, cfg: Config, A: Abstract, sp, lengths, frames: int, P: int, P0: int):
@@ -61,7 +66,7 @@ def _vision(ph: _Phases, cfg: Config, A: Abstract, sp, lengths, frames: int, P: 
         return ch, inputs, inputs0
     if cfg.optim.freeze_vision and Tv:
         pb, emb = ph.compile(sp.vision, A.params, inputs)
-        ph.add("rollout", "vision", pb, {"compute_weights", "other", "emb"})
+        ph.add("rollout", "vision", pb, {"compute_weights", "other", "emb"}, sim="vision")
         emb0 = emb if P0 == P else A.array((emb.shape[0] * P0 // P, emb.shape[1]), emb.dtype)
         return _Vision(0, emb, emb0, None, 0), inputs, inputs0
     return _Vision(0, None, None, None, 0), inputs, inputs0
@@ -96,12 +101,14 @@ def rollplex_programs(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, fra
         live["chunks"] = vis.chunk_inputs
     fn = sp.actor_prefix.program if res else sp.prefix
     pb, out = ph.compile(fn, A.params, inputs0, vis.emb0)
-    ph.add("rollout", "actor_prefix", pb, {"compute_weights", "other", "emb", "boundary_kv", "prefix_residuals"})
+    ph.add("rollout", "actor_prefix", pb, {"compute_weights", "other", "emb", "boundary_kv", "prefix_residuals"},
+           sim="actor_prefix")
     boundary = [out[:3]]
     kept = out[3] if res else []
     if P0 < P:
-        _, rest = ph.compile(sp.prefix, A.params, A.inputs(P - P0, Tp, Tv, 0, frames, slots=vis.slots),
-                             _rest_emb(A, vis))
+        pb, rest = ph.compile(sp.prefix, A.params, A.inputs(P - P0, Tp, Tv, 0, frames, slots=vis.slots),
+                              _rest_emb(A, vis))
+        ph.count("prefix (later mini-batches)", pb, "actor_prefix", 1)
         boundary.append(rest)
     live.update(boundary_kv=abstract_shard_bytes(boundary), prefix_residuals=abstract_shard_bytes(kept))
     ref_b = None
@@ -109,20 +116,23 @@ def rollplex_programs(ph: _Phases, cfg: Config, A: Abstract, progs, lengths, fra
         # chunked and trained tower: the reference's own buffer (encoded by the same program) is its argument
         own = vis.slots and not cfg.optim.freeze_vision
         pb, ref_b = ph.compile(sp.prefix, A.params, inputs, vis.emb)
-        ph.add("rollout", "ref_prefix", pb, {"ref_weights", "other", "boundary_kv"} | (set() if own else {"emb"}))
+        ph.add("rollout", "ref_prefix", pb, {"ref_weights", "other", "boundary_kv"} | (set() if own else {"emb"}),
+               sim="ref_prefix")
         live["boundary_kv"] += abstract_shard_bytes(ref_b)
     ph.live["rollout"] = dict(live)
-    blk = answer_blocks(0, P, n, planned_micro_batch(cfg))[0]
+    blocks = answer_blocks(0, P, n, planned_micro_batch(cfg))
+    blk = blocks[0]
     size, na = blk.p1 - blk.p0, blk.a1 - blk.a0
     mask, pos = A.array((P, Tp), bool), A.array((P,), jnp.int32)
     ids, rmask = A.array((size, na, Tr), jnp.int32), A.array((size, na, Tr), bool)
     if ref_b is not None:
         pb, _ = ph.compile(sp.suffix_logp, size, A.params, BoundaryRows(*ref_b, mask, pos), 0, ids, rmask)
-        ph.add("score", "suffix_logp", pb, {"ref_weights", "boundary_kv"})
+        ph.add("score", "suffix_logp", pb, {"ref_weights", "boundary_kv"}, sim="reference", runs=len(blocks))
     ph.live["score"] = dict(live)
     live["boundary_kv"] = abstract_shard_bytes(boundary)  # the reference's ends with scoring
     first = _FirstPrefix(boundary[0], kept, inputs0, vis)
-    _rollplex_train(ph, cfg, A, sp, live, first, (size, na, Tr, P0, Tp, Tv, frames))
+    first_blocks = len(answer_blocks(0, P0, n, planned_micro_batch(cfg)))
+    _rollplex_train(ph, cfg, A, sp, live, first, (size, na, Tr, P0, Tp, Tv, frames), (len(blocks), first_blocks))
 
 
 class _FirstPrefix(NamedTuple):
@@ -135,10 +145,12 @@ class _FirstPrefix(NamedTuple):
     vision: _Vision
 
 
-def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, first: _FirstPrefix, dims) -> None:
+def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, first: _FirstPrefix, dims,
+                    blocks: tuple[int, int]) -> None:
     """The train phase's programs: a micro-batch's suffix gradients and the prefix vjp (residual path), or a
     micro-batch's recomputed-prefix gradient; with chunked vision, a chunk's tower gradient from the buffer's
-    cotangent (``vision_grads``, after the text programs: their cotangents summed into one buffer)."""
+    cotangent (``vision_grads``, after the text programs: their cotangents summed into one buffer). ``blocks``:
+    the step's answer micro-batches, and the first mini-batch's (the residual path's)."""
     from rollplex_jax.programs.split import BoundaryRows
 
     b0, kept, inputs0, vis = first
@@ -153,21 +165,23 @@ def _rollplex_train(ph: _Phases, cfg: Config, A: Abstract, sp, live: dict, first
     if cfg.run.actor_prefix == "residuals":
         mask, pos = A.array((P0, Tp), bool), A.array((P0,), jnp.int32)
         pb, (_, cts, _) = ph.compile(sp.suffix_grads, size, A.params, BoundaryRows(*b0, mask, pos), 0, answers)
-        ph.add("train", "suffix_grads", pb, {"compute_weights", "boundary_kv"})
+        ph.add("train", "suffix_grads", pb, {"compute_weights", "boundary_kv"}, sim="actor", runs=blocks[1])
         ct = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) for x in b0)
         live["cotangents"] = abstract_shard_bytes(ct)
         meta = sp.actor_prefix.meta(A.params, inputs0, vis.emb0)
         pb, _ = ph.compile(sp.prefix_vjp, meta, A.params, kept, *ct)
-        ph.add("train", "prefix_vjp", pb, {"compute_weights", "prefix_residuals", "cotangents"})
+        ph.add("train", "prefix_vjp", pb, {"compute_weights", "prefix_residuals", "cotangents"}, sim="actor")
     if cfg.run.actor_prefix != "residuals" or cfg.rl.mini_batches > 1:
         inputs = A.inputs(size, Tp, Tv, 0, frames, slots=vis.slots)  # a micro-batch's prefix rows
         emb = vis.emb if vis.slots or vis.emb0 is None else A.array(
             (vis.emb0.shape[0] // P0 * size, vis.emb0.shape[1]), vis.emb0.dtype)
         pb, _ = ph.compile(sp.grads_recompute, A.params, inputs, emb, answers)
-        ph.add("train", "grads_recompute", pb, {"compute_weights"} | ({"emb"} if vis.slots else set()))
+        later = blocks[0] - (blocks[1] if cfg.run.actor_prefix == "residuals" else 0)
+        ph.add("train", "grads_recompute", pb, {"compute_weights"} | ({"emb"} if vis.slots else set()),
+               sim="actor", runs=later)
     if trained:
         # the accumulator has the params' shapes and shardings (the cotangent the buffer's: ``vis.emb``)
         pb, _ = ph.compile(sp.vision_grads, A.params, A.params, vis.chunk, vis.emb, 0)
         ph.add("train", "vision_grads", pb, {"compute_weights", "gradients", "emb_ct"},
-               partial=abstract_shard_bytes(vis.chunk))
+               partial=abstract_shard_bytes(vis.chunk), sim="actor", runs=vis.chunks)
     ph.live["train"] = live

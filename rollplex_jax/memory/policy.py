@@ -29,7 +29,7 @@ def data_lengths(cfg: Config, examples: Dataset) -> planner.Lengths:
 def run_programs(cfg: Config) -> planner.ProgramModel:
     """The planner's model of this run's programs (``--attention``, ``--remat``) as the backend this process runs
     on compiles them (``models.platform``: gpu or cpu; a TPU is planned as a GPU)."""
-    return planner.ProgramModel.of(cfg.programs, platform="cpu" if platform() == "cpu" else "gpu")
+    return planner.ProgramModel.of(cfg.programs, platform=platform())
 
 
 def plan_run(cfg: Config, lengths: planner.Lengths, policy: str) -> planner.Plan:

@@ -19,12 +19,14 @@ workspaces and handles, allocator slack) are outside ``memory_analysis``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import os
 import sys
 
 PLUGIN = "jax-cuda12-plugin"
+DNN_VERSION = (9, 7)  # the cuDNN the target config declares (dnn_version_info) and cuDNN attention lowers for
 SIDE_DIR = os.path.join(sys.prefix, "gpu-aot")  # where ``make gpu-aot`` installs the plugin (off the path)
 INSTALL_HINT = ("compiling for a GPU target needs the CUDA PJRT plugin of this jax version and ptxas: "
                 f"`make gpu-aot` (into {SIDE_DIR}), or pip install -e '.[gpu-aot]'")
@@ -70,7 +72,7 @@ class Target:
   registers_per_block_limit: 65536
 }}
 platform_name: "CUDA"
-dnn_version_info {{ major: 9 minor: 7 }}
+dnn_version_info {{ major: {DNN_VERSION[0]} minor: {DNN_VERSION[1]} }}
 runtime_version {{ major: 12 minor: 8 patch: 0 }}
 device_description_str: "{self.name}"
 """
@@ -144,3 +146,38 @@ def devices(t: Target, n: int, per_host: int = 8) -> list:
     topo = topologies.get_topology_desc(platform="cuda", target_config=t.config_proto(),
                                         topology=f"1x{hosts}x{local}")
     return list(topo.devices)[:n]
+
+
+@contextlib.contextmanager
+def cudnn_checks(t: Target):
+    """Inside the block, jax's cuDNN attention (``jax.nn.dot_product_attention(implementation="cudnn")``) checks
+    the target ``t`` instead of a local GPU, so it lowers for that card without one.
+
+    jax 0.10.2 decides at trace time from the machine: ``fused_attention_stablehlo.check_compute_capability`` and
+    ``is_cuda_compute_capability_equal`` read ``xla_bridge.local_devices("gpu")`` (none here: "Unknown backend
+    gpu", and the call falls back to blockwise), ``check_cudnn_version`` the loaded libcudnn. Within the block
+    they answer for ``t``'s compute capability and ``DNN_VERSION`` (the version the target config declares); XLA's
+    GPU compiler then compiles the cuDNN fused-attention custom calls for ``t`` (checked 2026-12-06: a bf16
+    [4, 1024, 16, 128] attention and its gradient compile deviceless to one and two ``__cudnn$fmha`` calls).
+    Without a device the cuDNN graph is not built or autotuned, so the workspace XLA reserves is its default.
+    Restores the three functions on exit; not thread-safe (a compile runs them on the calling thread)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    have = tuple(t.capability)
+    version = DNN_VERSION[0] * 10000 + DNN_VERSION[1] * 100
+
+    def at_least(capability: str) -> bool:
+        return have >= tuple(int(x) for x in capability.split("."))
+
+    def equal(capability: str) -> bool:
+        return have == tuple(int(x) for x in capability.split("."))
+
+    names = ("check_compute_capability", "is_cuda_compute_capability_equal", "check_cudnn_version")
+    saved = {n: getattr(fa, n) for n in names}
+    for n, f in zip(names, (at_least, equal, lambda: version), strict=True):
+        setattr(fa, n, f)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(fa, n, f)

@@ -33,8 +33,11 @@ def table(sim: Simulation) -> str:
     for k in keys:
         vals = [sim.schedules[n].phases.get(k, 0.0) for n in names]
         if any(vals):
-            lines.append(f"{k:<{w}}" + "".join(f"{val:>15.4g}" for val in vals))
-    lines.append(f"{'STEP (critical)':<{w}}" + "".join(f"{sim.schedules[n].step_s:>15.4g}" for n in names))
+            mark = ["*" if sim.sources.get(n, {}).get(k) == "compiled" else " " for n in names]
+            lines.append(f"{k:<{w}}" + "".join(f"{val:>14.4g}{m}" for val, m in zip(vals, mark, strict=True)))
+    lines.append(f"{'STEP (critical)':<{w}}" + "".join(f"{sim.schedules[n].step_s:>14.4g} " for n in names))
+    if sim.sources:
+        lines.append("* from the compiled programs' FLOPs, bytes, kernels and collectives (sim/compiled.py)")
     lines += ["", f"speedup rollplex / serial:        {sim.speedup('rollplex', 'serial'):.3f}x",
               f"speedup rollplex / disaggregated: {sim.speedup('rollplex', 'disaggregated'):.3f}x",
               f"speedup overlap_only / serial:    {sim.speedup('overlap_only', 'serial'):.3f}x",

@@ -24,6 +24,7 @@ import math
 
 from rollplex_jax.config import Config
 from rollplex_jax.memory.planner import Lengths, PlanMesh, ProgramModel
+from rollplex_jax.sim.compiled import compare, compiled_phases
 from rollplex_jax.sim.hardware import Hardware
 from rollplex_jax.sim.phases import (
     Setup,
@@ -60,6 +61,7 @@ class Simulation:
     programs: ProgramModel
     assumptions: list
     details: dict
+    sources: dict = dataclasses.field(default_factory=dict)  # {schedule: {phase: "compiled"}}; others modelled
 
     def speedup(self, a: str, b: str) -> float:
         return self.schedules[b].step_s / self.schedules[a].step_s
@@ -76,6 +78,8 @@ class Simulation:
                         "overlap_only_over_serial": self.speedup("overlap_only", "serial"),
                         "sharing_only_over_serial": self.speedup("sharing_only", "serial")},
             "assumptions": self.assumptions, "details": self.details,
+            "sources": {n: {p: self.sources.get(n, {}).get(p, "model") for p, v in s.phases.items() if v}
+                        for n, s in self.schedules.items()},
         }
 
 
@@ -217,7 +221,7 @@ def _assumptions(s: Setup, sync: WeightSync, pools: tuple[int, int], notes: list
 
 def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices: int | None = None, *,
              response_mean: float | None = None, programs: ProgramModel | None = None,
-             disagg_split: float = 0.5) -> Simulation:
+             disagg_split: float = 0.5, compiled: dict | None = None) -> Simulation:
     """Each phase's seconds and the step time of every schedule in ``SCHEDULES`` (module docs).
 
     Args:
@@ -228,6 +232,8 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
       response_mean: mean answer tokens (None: the max); decode steps follow the max.
       programs: the program model (None: the preset's default, dense on CPU, flash + remat on GPUs).
       disagg_split: the fraction of the devices in the disaggregated rollout pool.
+      compiled: {"rollplex" and / or "serial": ``Compiled.step_costs()``}: those programs' compiled costs
+        replace the model's for the schedules that run them (``sim/compiled.py``) on the compiled mesh.
     Returns:
       The ``Simulation``: schedules with phases, step time and timeline spans; assumptions; details.
     """
@@ -236,17 +242,46 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
     sync = weight_sync(s)
     t_pf, t_vis, t_dec = rollout(s, D)
     base = {"host": hw.host_step_s, "prefill": t_pf, "engine_vision": t_vis, "decode": t_dec, "update": update(s, D)}
+    sources, comparison = {}, {}
+
+    def train(name: str, sharing: bool, split: bool) -> dict:
+        times = training(s, D, sharing, split)
+        key = _compiled_key(cfg, name) if compiled and D == cfg.mesh.train_devices else None
+        if key is not None and key in compiled:
+            got = compiled_phases(s, compiled[key], times)
+            sources[name] = dict.fromkeys(got, "compiled")
+            comparison.setdefault(key, compare(s, compiled[key], D, sharing, split))
+            times = {**times, **got}
+        return times
+
     scheds = {"serial": build_schedule("serial", {**base, "input_prep": input_prep(s, s.rows),
-                                                  "weight_sync": sync.serial_s, **training(s, D, False, False)},
+                                                  "weight_sync": sync.serial_s, **train("serial", False, False)},
                                        False, hw)}
     for name, sharing, overlap in (("rollplex", True, True), ("overlap_only", False, True),
                                    ("sharing_only", True, False)):
         scheds[name] = build_schedule(name, {**base, "input_prep": input_prep(s, B if sharing else s.rows),
-                                             "weight_sync": sync.rollplex_s, **training(s, D, sharing, True)},
+                                             "weight_sync": sync.rollplex_s, **train(name, sharing, True)},
                                       overlap, hw, sync_beside_host=sync.after_update)
     scheds["disaggregated"], pools, notes = _disaggregated(s, disagg_split, sync)
     details = {"rollout_rows_per_replica": math.ceil(s.rows / max(1, D // s.mesh.rollout_tp)),
                "params": s.counts.total, "disagg_pools": list(pools),
                "weight_sync": {"layout": sync.layout, "rebuilt_bytes_per_device": int(sync.rebuilt_bytes),
                                "remote_bytes_per_device": int(sync.remote_bytes), "remote_link": sync.link}}
-    return Simulation(scheds, hw, s.lengths, D, s.response_mean, s.pm, _assumptions(s, sync, pools, notes), details)
+    if compiled:
+        details["compiled_vs_model"] = comparison
+        notes.append("compiled: " + ("; ".join(f"{n}: {', '.join(p)}" for n, p in sources.items()) or
+                                     f"none applied (the compile's {cfg.mesh.train_devices} devices, simulated {D})")
+                     + " from the compiled programs' FLOPs, bytes, kernels and collectives (sim/compiled.py); "
+                     "every other phase from the cost model")
+    return Simulation(scheds, hw, s.lengths, D, s.response_mean, s.pm, _assumptions(s, sync, pools, notes), details,
+                      sources)
+
+
+def _compiled_key(cfg: Config, schedule: str) -> str | None:
+    """Which compile's programs ``schedule`` runs (``sim/compiled.py``): the Rollplex programs with the run's
+    prefix sharing, the serial ones, or none."""
+    if schedule == "serial":
+        return "serial"
+    if schedule in ("rollplex", "sharing_only"):
+        return "rollplex" if cfg.run.prefix_sharing else None
+    return "rollplex" if schedule == "overlap_only" and not cfg.run.prefix_sharing else None

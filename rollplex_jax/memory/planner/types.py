@@ -96,9 +96,10 @@ class ProgramModel:
     def of(cls, programs, platform: str = "gpu") -> ProgramModel:
         """The model of the programs a ``config.ProgramConfig`` builds: blockwise (and cuDNN, which falls back to
         it) attention is ``flash`` (O(T) state per layer), ``dense`` is dense; remat as configured; compiled for
-        ``platform``."""
+        ``platform`` (a backend or target name: cpu is the CPU's calibration, any other the GPU's; a TPU is
+        planned as a GPU)."""
         return cls(attention="dense" if programs.attention == "dense" else "flash", remat=programs.remat,
-                   platform=platform)
+                   platform="cpu" if platform == "cpu" else "gpu")
 
     @property
     def gpu(self) -> bool:

@@ -1,0 +1,48 @@
+"""The simulator on compiled costs (rollplex_jax/sim/compiled.py): a phase with the compiled programs' FLOPs,
+bytes, kernels and collective bytes takes the time model's seconds of exactly those, the actor's compiled time is
+split into forward and backward without changing its sum, each schedule takes only the compile of the programs it
+runs, and every phase says where its figure came from."""
+
+import pytest
+
+from rollplex_jax import sim as simulator
+from rollplex_jax.sim import compiled as sim_compiled
+from rollplex_jax.sim import hardware
+from tests.test_simulator import _config
+
+HW = hardware.H100
+
+
+def _costs(flops: float, nbytes: float, kernels: float = 100, comm: float = 1e6) -> dict:
+    return {"flops": flops, "bytes": nbytes, "kernels": kernels, "comm_bytes": comm, "unknown_loops": 0,
+            "programs": {"p": 1}}
+
+
+def test_a_compiled_phase_is_timed_by_the_model_on_its_counts():
+    cfg = _config("configs/tiny_cpu.flags")
+    s = simulator.Setup.of(cfg, HW, None, None, None, None)
+    c = _costs(4e12, 2e10)
+    expect = 4e12 / (HW.flops(s.dt) * HW.mfu_forward) + 2e10 / HW.ew_bw + 100 * HW.op_overhead_s + 1e6 / HW.intra_bw
+    got = sim_compiled.compiled_phases(s, {"vision": c, "actor": c}, {"actor_fwd": 1.0, "actor_bwd": 3.0})
+    assert got["vision"] == pytest.approx(expect, rel=1e-12)
+    actor = sim_compiled.seconds(s, c, HW.mfu_backward)
+    assert got["actor_fwd"] + got["actor_bwd"] == pytest.approx(actor, rel=1e-12)
+    assert got["actor_fwd"] == pytest.approx(actor / 4, rel=1e-12)  # the model's 1 : 3
+    assert "reference" not in got and "update" not in got
+
+
+def test_schedules_take_the_compile_of_the_programs_they_run():
+    cfg = _config("configs/tiny_cpu.flags")
+    base = simulator.simulate(cfg, HW)
+    big = _costs(1e15, 1e12)  # far slower than the model: a phase that took it shows
+    sim = simulator.simulate(cfg, HW, compiled={"rollplex": {"actor_prefix": big, "actor": big}})
+    src = sim.to_dict()["sources"]
+    assert src["rollplex"]["actor_prefix"] == src["sharing_only"]["actor_prefix"] == "compiled"
+    assert src["rollplex"]["decode"] == "model" and src["serial"]["actor_fwd"] == "model"
+    assert set(src["overlap_only"].values()) == set(src["disaggregated"].values()) == {"model"}
+    for name in ("serial", "overlap_only", "disaggregated"):  # no compile of their programs: unchanged
+        assert sim.schedules[name].step_s == pytest.approx(base.schedules[name].step_s, rel=1e-12)
+    assert sim.schedules["rollplex"].step_s > 100 * base.schedules["rollplex"].step_s
+    # another device count than the compiled mesh: nothing applies, and the assumptions say why
+    other = simulator.simulate(cfg, HW, devices=2 * cfg.mesh.train_devices, compiled={"rollplex": {"actor": big}})
+    assert not other.sources and any("none applied" in a for a in other.assumptions)
