@@ -32,6 +32,7 @@ def test_a_fusion_moves_its_operands_and_output_once():
     x = jnp.ones((1024, 1024))
     c = program_cost(jax.jit(lambda x: jnp.tanh(x) * 2 + 1).lower(x).compile().as_text())
     assert (c.flops, c.bytes, c.kernels) == (0, 2 * x.nbytes, 1)  # one kernel: read x, write the result
+    assert list(c.by_kind.values()) == [2 * x.nbytes]  # one kind of kernel (the fusion)
 
 
 def test_a_slice_of_a_stacked_buffer_counts_the_slice():

@@ -32,17 +32,31 @@ def test_a_compiled_phase_is_timed_by_the_model_on_its_counts():
 
 
 def test_schedules_take_the_compile_of_the_programs_they_run():
+    """The Rollplex compile sets rollplex's and sharing_only's phases; overlap_only (the same family, a prefix per
+    answer) takes the model scaled by the Rollplex phases' compiled / model ratios; serial and disaggregated,
+    without a serial compile, stay the model's. A serial compile scales disaggregated's phases by its ratios."""
     cfg = _config("configs/tiny_cpu.flags")
+    assert cfg.run.prefix_sharing
     base = simulator.simulate(cfg, HW)
     big = _costs(1e15, 1e12)  # far slower than the model: a phase that took it shows
     sim = simulator.simulate(cfg, HW, compiled={"rollplex": {"actor_prefix": big, "actor": big}})
     src = sim.to_dict()["sources"]
     assert src["rollplex"]["actor_prefix"] == src["sharing_only"]["actor_prefix"] == "compiled"
-    assert src["rollplex"]["decode"] == "model" and src["serial"]["actor_fwd"] == "model"
-    assert set(src["overlap_only"].values()) == set(src["disaggregated"].values()) == {"model"}
-    for name in ("serial", "overlap_only", "disaggregated"):  # no compile of their programs: unchanged
+    assert src["overlap_only"]["actor_prefix"] == src["overlap_only"]["actor_bwd"] == "scaled"
+    assert src["rollplex"]["decode"] == src["overlap_only"]["decode"] == src["serial"]["actor_fwd"] == "model"
+    for name in ("rollplex", "overlap_only"):
+        ph, ph0 = sim.schedules[name].phases, base.schedules[name].phases
+        assert ph["vision"] == pytest.approx(ph0["vision"], rel=1e-12)  # no compiled vision here
+    ratio = sim.schedules["rollplex"].phases["actor_prefix"] / base.schedules["rollplex"].phases["actor_prefix"]
+    assert sim.schedules["overlap_only"].phases["actor_prefix"] == pytest.approx(
+        base.schedules["overlap_only"].phases["actor_prefix"] * ratio, rel=1e-12)
+    for name in ("serial", "disaggregated"):  # no serial compile: unchanged
         assert sim.schedules[name].step_s == pytest.approx(base.schedules[name].step_s, rel=1e-12)
-    assert sim.schedules["rollplex"].step_s > 100 * base.schedules["rollplex"].step_s
+    both = simulator.simulate(cfg, HW, compiled={"serial": {"actor": big, "update": big}})
+    assert both.sources["disaggregated"] == {"actor_fwd": "scaled", "actor_bwd": "scaled", "update": "scaled"}
+    r = both.schedules["serial"].phases["actor_bwd"] / base.schedules["serial"].phases["actor_bwd"]
+    assert both.schedules["disaggregated"].phases["actor_bwd"] == pytest.approx(
+        base.schedules["disaggregated"].phases["actor_bwd"] * r, rel=1e-12)
     # another device count than the compiled mesh: nothing applies, and the assumptions say why
     other = simulator.simulate(cfg, HW, devices=2 * cfg.mesh.train_devices, compiled={"rollplex": {"actor": big}})
     assert not other.sources and any("none applied" in a for a in other.assumptions)

@@ -222,9 +222,11 @@ class Compiled:
         out: dict[str, dict] = {}
         for name, (phase, runs, cost) in self.runs.items():
             o = out.setdefault(phase, {"flops": 0.0, "bytes": 0.0, "kernels": 0.0, "comm_bytes": 0.0,
-                                       "unknown_loops": 0, "programs": {}})
+                                       "unknown_loops": 0, "programs": {}, "bytes_by_kind": {}})
             for k in ("flops", "bytes", "kernels", "comm_bytes"):
                 o[k] += runs * cost[k]
+            for kind, b in cost.get("bytes_by_kind", {}).items():
+                o["bytes_by_kind"][kind] = o["bytes_by_kind"].get(kind, 0.0) + runs * b
             o["unknown_loops"] += cost["unknown_loops"]
             o["programs"][name] = runs
         return out

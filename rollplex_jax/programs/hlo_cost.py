@@ -35,8 +35,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s*\(.*\{\s*$")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
          "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency", "domain",
-         "all-gather-done", "all-reduce-done", "collective-permute-done", "async-done", "async-update", "copy-done",
-         "send-done", "recv-done"}
+         "async-update"}  # and every *-done (an async op's wait)
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute",
                 "ragged-all-to-all")
 
@@ -50,6 +49,7 @@ class HloCost:
     kernels: float = 0.0
     comm_bytes: float = 0.0
     unknown_loops: int = 0
+    by_kind: dict = dataclasses.field(default_factory=dict)  # bytes per kernel kind (op, or fusion's computation)
 
     def add(self, o: HloCost, k: float = 1.0) -> None:
         self.flops += k * o.flops
@@ -57,10 +57,14 @@ class HloCost:
         self.kernels += k * o.kernels
         self.comm_bytes += k * o.comm_bytes
         self.unknown_loops += o.unknown_loops
+        for kind, b in o.by_kind.items():
+            self.by_kind[kind] = self.by_kind.get(kind, 0.0) + k * b
 
-    def to_dict(self) -> dict:
+    def to_dict(self, kinds: int = 8) -> dict:
+        """The counts and the ``kinds`` kernel kinds that move the most bytes."""
+        top = sorted(self.by_kind.items(), key=lambda kv: -kv[1])[:kinds]
         return {"flops": self.flops, "bytes": self.bytes, "kernels": self.kernels, "comm_bytes": self.comm_bytes,
-                "unknown_loops": self.unknown_loops}
+                "unknown_loops": self.unknown_loops, "bytes_by_kind": dict(top)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,9 +236,12 @@ class _Counter:
                     inner = self.cost(m.group(1), kernel_level=False)
                     c.flops += inner.flops
                     c.comm_bytes += inner.comm_bytes
-            if kernel_level and ins.op not in _FREE:
+            if kernel_level and ins.op not in _FREE and not ins.op.endswith("-done"):
+                moved = self._traffic(ins, shapes)
                 c.kernels += 1
-                c.bytes += self._traffic(ins, shapes)
+                c.bytes += moved
+                kind = _kind(ins)
+                c.by_kind[kind] = c.by_kind.get(kind, 0.0) + moved
             if any(ins.op.startswith(k) for k in _COLLECTIVES) and not ins.op.endswith("-done"):
                 c.comm_bytes += nbytes(arrays_last(ins.shape) if ins.op.endswith("-start") else ins.shape)
         return c
@@ -253,6 +260,13 @@ class _Counter:
                     reads[k] = b
             return sum(reads) + _written(inner, ins.shape)
         return sum(reads) + nbytes(ins.shape)
+
+
+def _kind(ins: _Instr) -> str:
+    """A kernel's kind: its op, or a fusion's computation name without its number (gemm_fusion_dot,
+    fused_reduce, fused_transpose, ...)."""
+    m = re.search(r"calls=%([^\s,]+)", ins.attrs) if ins.op == "fusion" else None
+    return re.sub(r"([._]\d+)+(_computation)?$", "", m.group(1)) if m else ins.op
 
 
 def arrays_last(shape: str) -> str:

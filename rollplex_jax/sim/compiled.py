@@ -15,12 +15,16 @@ program computes the forward and the backward in one (``suffix_grads``, ``prefix
 ``vision_grads``), timed at the backward's mfu and split into the timeline's actor_fwd / actor_bwd in the
 model's proportion. Which schedule takes which compile: the Rollplex programs (the run's prefix sharing) feed
 ``rollplex`` and ``sharing_only`` with prefix sharing, ``overlap_only`` without; the serial programs feed
-``serial``; ``disaggregated`` (another pool, another mesh) and the rollout (the torch engine) stay modelled.
-``Simulation.sources`` says, per schedule and phase, which figures are compiled and which modelled.
+``serial``. A schedule whose own programs were not compiled but whose family was (``disaggregated``: the serial
+programs on another pool and mesh; ``overlap_only``: the split programs with a prefix per answer) takes the
+model's seconds scaled per phase by its family's compiled / modelled ratio, so that every speedup compares
+figures of one kind. The rollout (the torch engine) stays modelled. ``Simulation.sources`` says, per schedule and
+phase, which figures are compiled, scaled or modelled.
 """
 
 from __future__ import annotations
 
+from rollplex_jax.config import Config
 from rollplex_jax.sim.costs import Cost
 from rollplex_jax.sim.phases import Setup, training_costs
 
@@ -67,3 +71,40 @@ def compare(s: Setup, costs: dict[str, dict], n_dev: int, sharing: bool, split: 
                       "compiled_comm_bytes": c["comm_bytes"], "flops_ratio": c["flops"] / m.flops if m.flops else None,
                       "bytes_ratio": c["bytes"] / mb if mb else None, "programs": c["programs"]}
     return out
+
+
+def runs_key(cfg: Config, schedule: str) -> str | None:
+    """The compile whose programs ``schedule`` runs: the Rollplex programs (with the run's prefix sharing), the
+    serial ones, or None."""
+    if schedule == "serial":
+        return "serial"
+    if schedule in ("rollplex", "sharing_only"):
+        return "rollplex" if cfg.run.prefix_sharing else None
+    return "rollplex" if schedule == "overlap_only" and not cfg.run.prefix_sharing else None
+
+
+class Applied:
+    """The compiled costs as the schedules take them (module doc): exact, scaled by the family's ratio, or not at
+    all (another device count than the compile's mesh); records ``sources`` and the model-vs-compiled counts."""
+
+    def __init__(self, s: Setup, compiled: dict | None, n_dev: int):
+        self.s = s
+        self.compiled = (compiled or {}) if n_dev == s.cfg.mesh.train_devices else {}
+        self.sources: dict[str, dict[str, str]] = {}
+        self.comparison: dict[str, dict] = {}
+        self.ratios: dict[str, dict[str, float]] = {}
+
+    def times(self, name: str, times: dict, n_dev: int, sharing: bool, split: bool) -> dict:
+        """``times`` (the model's seconds per phase, the update's included) with the compiled ones applied."""
+        key, family = runs_key(self.s.cfg, name), "rollplex" if split else "serial"
+        if key is not None and key in self.compiled:
+            got = compiled_phases(self.s, self.compiled[key], times)
+            self.ratios[key] = {p: got[p] / times[p] for p in got if times.get(p)}
+            self.sources[name] = dict.fromkeys(got, "compiled")
+            self.comparison.setdefault(key, compare(self.s, self.compiled[key], n_dev, sharing, split))
+            return {**times, **got}
+        ratio = self.ratios.get(family, {})
+        if ratio:
+            self.sources[name] = {p: "scaled" for p in times if p in ratio and times[p]}
+            return {p: t * ratio.get(p, 1.0) for p, t in times.items()}
+        return times

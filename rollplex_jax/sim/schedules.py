@@ -24,7 +24,7 @@ import math
 
 from rollplex_jax.config import Config
 from rollplex_jax.memory.planner import Lengths, PlanMesh, ProgramModel
-from rollplex_jax.sim.compiled import compare, compiled_phases
+from rollplex_jax.sim.compiled import Applied
 from rollplex_jax.sim.hardware import Hardware
 from rollplex_jax.sim.phases import (
     Setup,
@@ -163,8 +163,10 @@ def build_schedule(name: str, phases: dict, overlap: bool, hw: Hardware, sync_be
     return Schedule(name, ph, t, tl.spans)
 
 
-def _disaggregated(s: Setup, split: float, sync: WeightSync) -> tuple[Schedule, tuple[int, int], list[str]]:
-    """The disaggregated baseline: (schedule, (rollout pool, training pool) devices, notes)."""
+def _disaggregated(s: Setup, split: float, sync: WeightSync, applied: Applied
+                   ) -> tuple[Schedule, tuple[int, int], list[str]]:
+    """The disaggregated baseline: (schedule, (rollout pool, training pool) devices, notes); ``applied``: the
+    compiled costs (its phases scaled by the serial compile's ratios where there is one)."""
     mesh, hw, D, notes = s.mesh, s.hw, s.mesh.devices, []
     d_r = max(mesh.rollout_tp, int(round(D * split / mesh.rollout_tp)) * mesh.rollout_tp)
     d_t = D - d_r
@@ -177,10 +179,11 @@ def _disaggregated(s: Setup, split: float, sync: WeightSync) -> tuple[Schedule, 
         notes.append(f"disaggregated: training pool of {d_t} devices runs fsdp {d_t // mesh.tp} x tp {mesh.tp}")
     train_mesh = PlanMesh(d_t, max(1, min(mesh.fsdp, d_t // mesh.tp)), mesh.tp, mesh.rollout_tp)
     r_pf, r_vis, r_dec = rollout(s, d_r)
+    train = applied.times("disaggregated", {"update": update(s, d_t), **training(s, d_t, False, False, train_mesh)},
+                          d_t, False, False)
     sched = build_schedule("disaggregated", {
         "host": hw.host_step_s, "input_prep": input_prep(s, s.rows), "prefill": r_pf, "engine_vision": r_vis,
-        "decode": r_dec, "transfer": sync.transfer_s,
-        "update": update(s, d_t), **training(s, d_t, False, False, train_mesh)}, False, hw)
+        "decode": r_dec, "transfer": sync.transfer_s, **train}, False, hw)
     sched.notes = f"rollout pool {d_r} devices, training pool {d_t}; synchronous, not pipelined"
     return sched, (d_r, d_t), notes
 
@@ -242,17 +245,10 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
     sync = weight_sync(s)
     t_pf, t_vis, t_dec = rollout(s, D)
     base = {"host": hw.host_step_s, "prefill": t_pf, "engine_vision": t_vis, "decode": t_dec, "update": update(s, D)}
-    sources, comparison = {}, {}
+    applied = Applied(s, compiled, D)
 
     def train(name: str, sharing: bool, split: bool) -> dict:
-        times = training(s, D, sharing, split)
-        key = _compiled_key(cfg, name) if compiled and D == cfg.mesh.train_devices else None
-        if key is not None and key in compiled:
-            got = compiled_phases(s, compiled[key], times)
-            sources[name] = dict.fromkeys(got, "compiled")
-            comparison.setdefault(key, compare(s, compiled[key], D, sharing, split))
-            times = {**times, **got}
-        return times
+        return applied.times(name, {"update": base["update"], **training(s, D, sharing, split)}, D, sharing, split)
 
     scheds = {"serial": build_schedule("serial", {**base, "input_prep": input_prep(s, s.rows),
                                                   "weight_sync": sync.serial_s, **train("serial", False, False)},
@@ -262,26 +258,18 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
         scheds[name] = build_schedule(name, {**base, "input_prep": input_prep(s, B if sharing else s.rows),
                                              "weight_sync": sync.rollplex_s, **train(name, sharing, True)},
                                       overlap, hw, sync_beside_host=sync.after_update)
-    scheds["disaggregated"], pools, notes = _disaggregated(s, disagg_split, sync)
+    scheds["disaggregated"], pools, notes = _disaggregated(s, disagg_split, sync, applied)
     details = {"rollout_rows_per_replica": math.ceil(s.rows / max(1, D // s.mesh.rollout_tp)),
                "params": s.counts.total, "disagg_pools": list(pools),
                "weight_sync": {"layout": sync.layout, "rebuilt_bytes_per_device": int(sync.rebuilt_bytes),
                                "remote_bytes_per_device": int(sync.remote_bytes), "remote_link": sync.link}}
     if compiled:
-        details["compiled_vs_model"] = comparison
-        notes.append("compiled: " + ("; ".join(f"{n}: {', '.join(p)}" for n, p in sources.items()) or
-                                     f"none applied (the compile's {cfg.mesh.train_devices} devices, simulated {D})")
-                     + " from the compiled programs' FLOPs, bytes, kernels and collectives (sim/compiled.py); "
-                     "every other phase from the cost model")
+        details["compiled_vs_model"] = applied.comparison
+        notes.append("compiled: " + ("; ".join(f"{n}: {', '.join(f'{p} ({k})' for p, k in ps.items())}"
+                                               for n, ps in applied.sources.items())
+                                     or f"none applied (the compile's {cfg.mesh.train_devices} devices, simulated {D})")
+                     + "; compiled = timed on the compiled programs' FLOPs, bytes, kernels and collectives, scaled = "
+                     "the model's seconds x the compiled / model ratio of the same phase of the family's compiled "
+                     "schedule (sim/compiled.py); every other phase from the cost model")
     return Simulation(scheds, hw, s.lengths, D, s.response_mean, s.pm, _assumptions(s, sync, pools, notes), details,
-                      sources)
-
-
-def _compiled_key(cfg: Config, schedule: str) -> str | None:
-    """Which compile's programs ``schedule`` runs (``sim/compiled.py``): the Rollplex programs with the run's
-    prefix sharing, the serial ones, or none."""
-    if schedule == "serial":
-        return "serial"
-    if schedule in ("rollplex", "sharing_only"):
-        return "rollplex" if cfg.run.prefix_sharing else None
-    return "rollplex" if schedule == "overlap_only" and not cfg.run.prefix_sharing else None
+                      applied.sources)
