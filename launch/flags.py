@@ -334,6 +334,9 @@ _HELP = {
                         "(offload only if --hbm_budget needs it).",
     "optimizer_chunks": "Chunks of the streaming optimizer step when the optimizer state is offloaded.",
     "measure_memory": "Measure live device bytes per phase and buffer class (metrics memory/*, plots/memory.png).",
+    "train_dp": "Training mesh: data-parallel degree outside fsdp x tp (HSDP): parameters, reference and optimizer "
+                "state sharded over fsdp x tp and replicated over dp, the batch split over dp x fsdp, gradients "
+                "reduced over dp. Devices: dp x fsdp x tp.",
     "train_fsdp": "Training mesh: FSDP degree (actor and reference).",
     "train_tp": "Training mesh: tensor-parallel degree (actor and reference).",
     "rollout_tp": "Rollout engine tensor-parallel degree.",

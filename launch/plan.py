@@ -160,10 +160,10 @@ def sharing_table(ws: dict, devices: int = 0) -> str:
     if not c:
         return ""
     lines = [""]
-    if devices > ws["train_shards"]:
+    if ws.get("hypothetical"):
         lines.append(f"HYPOTHETICAL: weights sharded over {ws['train_shards']} devices and replicated over "
-                     f"{devices // ws['train_shards']} data-parallel groups (planned, not run: the runtime's training "
-                     "mesh has no data-parallel axis that replicates weights)")
+                     f"{devices // ws['train_shards']} data-parallel groups, more than --train_dp gives (planned, not "
+                     "run: --plan_devices above dp x fsdp x tp)")
     lines += [f"weight sharing ({c['layout']} layout, train mesh {c['train_mesh']}, rollout tp {c['rollout_tp']}, "
               f"{c['replicas']} replicas on {c['devices']} devices, {c['placement']} placement):",
              f"  {'class':<9}{'tensors':>9}{'GiB (all devices)':>19}{'fraction':>10}{'GiB/device (max)':>18}"]

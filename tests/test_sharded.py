@@ -43,14 +43,14 @@ FLAGS = dict(steps=STEPS, batch_prompts=4, group_size=4, micro_batch=4, mini_bat
              reward="launch.bench_reward:varied_reward", checkpoint_every=0, lr=LR, eps=1e-6, log=lambda m: None)
 
 
-def _runner(tmp_path_factory, schedule: str, fsdp: int, tp: int, temperature: float = 1.0):
-    wd = tmp_path_factory.mktemp(f"{schedule}_{fsdp}x{tp}_t{temperature}")
-    return runner_from_flagfile("configs/tiny_cpu.flags", workdir=str(wd), train_fsdp=fsdp, train_tp=tp,
+def _runner(tmp_path_factory, schedule: str, fsdp: int, tp: int, temperature: float = 1.0, dp: int = 1):
+    wd = tmp_path_factory.mktemp(f"{schedule}_{dp}x{fsdp}x{tp}_t{temperature}")
+    return runner_from_flagfile("configs/tiny_cpu.flags", workdir=str(wd), train_dp=dp, train_fsdp=fsdp, train_tp=tp,
                                 schedule=schedule, temperature=temperature, **FLAGS)
 
 
-def _run(tmp_path_factory, schedule: str, fsdp: int, tp: int, temperature: float = 1.0):
-    r = _runner(tmp_path_factory, schedule, fsdp, tp, temperature)
+def _run(tmp_path_factory, schedule: str, fsdp: int, tp: int, temperature: float = 1.0, dp: int = 1):
+    r = _runner(tmp_path_factory, schedule, fsdp, tp, temperature, dp)
     metrics = list(r.run())
     # compared in the checkpoint's layout: the actor's rows are grouped per training TP rank (fused.py)
     params = to_hf({k: np.asarray(v) for k, v in r.state.params.items()}, r.cfg.model)
@@ -80,7 +80,17 @@ def single(tmp_path_factory):
                                                           ("serial", 2, 2, 1.0), ("rollplex", 2, 2, 1.0),
                                                           ("rollplex", 1, 4, 0.7)])
 def test_sharded_run_equals_single_device(single, tmp_path_factory, schedule, fsdp, tp, temperature):
-    metrics, params, shardings, report, summary = _run(tmp_path_factory, schedule, fsdp, tp, temperature)
+    _check_mesh_run(single, tmp_path_factory, schedule, 1, fsdp, tp, temperature)
+
+
+# HSDP (issue 32): weights over fsdp x tp, replicated over dp, the batch over dp x fsdp, gradients summed over dp
+@pytest.mark.parametrize("schedule,dp,fsdp,tp", [("serial", 2, 2, 1), ("rollplex", 2, 1, 2)])
+def test_data_parallel_run_equals_single_device(single, tmp_path_factory, schedule, dp, fsdp, tp):
+    _check_mesh_run(single, tmp_path_factory, schedule, dp, fsdp, tp, 1.0)
+
+
+def _check_mesh_run(single, tmp_path_factory, schedule, dp, fsdp, tp, temperature):
+    metrics, params, shardings, report, summary = _run(tmp_path_factory, schedule, fsdp, tp, temperature, dp)
     ref_metrics, ref_params, _, ref_report, _ = single(schedule, temperature)
     assert len(metrics) == len(ref_metrics) == STEPS
     for step, (m, r) in enumerate(zip(metrics, ref_metrics, strict=True)):
@@ -90,11 +100,13 @@ def test_sharded_run_equals_single_device(single, tmp_path_factory, schedule, fs
             rtol, atol = (0.0, 1e-6) if k.startswith(NOISE) else (1e-5, 1e-7)
             np.testing.assert_allclose(m[k], r[k], rtol=rtol, atol=atol, err_msg=f"step {step + 1} {k}")
     worst = assert_same_updates(params, ref_params, lr=LR, updates=STEPS * 2)
-    print(f"{schedule} fsdp {fsdp} x tp {tp}: worst param difference {worst:.3g} of the tolerance")
+    print(f"{schedule} dp {dp} x fsdp {fsdp} x tp {tp}: worst param difference {worst:.3g} of the tolerance")
     # really sharded as configured, and not by accident replicated
     sharded = [k for k, (s, _, _) in shardings.items() if any(a is not None for a in s.spec)]
     assert len(sharded) > len(shardings) // 2
-    mesh = mesh_lib.train_mesh(MeshConfig(train_fsdp=fsdp, train_tp=tp))
+    axes = {a for s, _, _ in shardings.values() for e in s.spec for a in (e if isinstance(e, tuple) else (e,))}
+    assert "dp" not in axes  # weights replicated over dp
+    mesh = mesh_lib.train_mesh(MeshConfig(train_dp=dp, train_fsdp=fsdp, train_tp=tp))
     model = next(iter(shardings.values()))[2]
     assert model.text.fuse_groups == tp  # the engine's layout for this training TP (fused.param_layout)
     configured = mesh_lib.param_shardings(model, mesh)
@@ -106,10 +118,10 @@ def test_sharded_run_equals_single_device(single, tmp_path_factory, schedule, fs
     # memory measured on the mesh (the busiest device) beside the planner's per-device figure: within 15% per
     # phase, as on one device (tests/test_memory.py)
     mem = summary["memory"]
-    assert mem["devices"] == fsdp * tp and mem["measured_peak_bytes"]["train"] > 0
+    assert mem["devices"] == dp * fsdp * tp and mem["measured_peak_bytes"]["train"] > 0
     if schedule == "rollplex":
         rows = mem["planned_vs_measured"]
-        print(f"planned / measured per device ({fsdp}x{tp}): "
+        print(f"planned / measured per device ({dp}x{fsdp}x{tp}): "
               f"{ {p: v['planned_over_measured'] for p, v in rows.items()} }")
         assert set(rows) == {"rollout", "score", "train", "update"}
         for phase, row in rows.items():
@@ -163,6 +175,22 @@ def test_rules_shard_megatron_style_and_replicate_what_does_not_divide():
     assert sh["model.layers.0.mlp.down_proj.weight"].spec == P(None, "tp")
     assert sh["model.norm.weight"].spec == P(None)
     table = mesh_lib.sharding_table(cfg, mesh)
-    assert table["mesh"] == {"fsdp": 1, "tp": 4}
+    assert table["mesh"] == {"dp": 1, "fsdp": 1, "tp": 4}
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count=64"):
         mesh_lib.train_mesh(MeshConfig(train_fsdp=8, train_tp=8))
+
+
+def test_rows_split_over_dp_and_fsdp():
+    """On a dp 2 x fsdp 2 mesh the residual rows and the boundary KV rows are split over both batch axes (each
+    device computes a quarter of the rows), heads over tp; with dp 1 the spec is fsdp's alone, as before."""
+    from rollplex_jax.models.qwen2_5_vl.layers import constrain_kv, constrain_rows, fsdp_size
+
+    for dp, fsdp, tp, rows_spec in ((2, 2, 1, ("dp", "fsdp")), (1, 2, 2, "fsdp"), (2, 1, 2, "dp")):
+        mesh = mesh_lib.train_mesh(MeshConfig(train_dp=dp, train_fsdp=fsdp, train_tp=tp))
+        with jax.set_mesh(mesh):
+            x = jax.jit(constrain_rows)(jax.numpy.ones((8, 16)))
+            kv = jax.jit(constrain_kv)(jax.numpy.ones((8, 4, 2, 8)))
+            assert fsdp_size() == dp * fsdp
+        assert x.sharding.spec[0] == rows_spec and x.addressable_shards[0].data.shape == (8 // (dp * fsdp), 16)
+        spec = tuple(kv.sharding.spec) + (None,) * 4
+        assert spec[0] == rows_spec and spec[2] == ("tp" if tp > 1 else None)

@@ -47,10 +47,10 @@ def _kinds(plan, target):
 
 # --- pure classification ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fsdp,tp", [(4, 1), (1, 4), (2, 2), (1, 2)])
-def test_shard_box_matches_devices_indices_map(fsdp, tp):
+@pytest.mark.parametrize("dp,fsdp,tp", [(1, 4, 1), (1, 1, 4), (1, 2, 2), (1, 1, 2), (2, 2, 1), (2, 1, 2)])
+def test_shard_box_matches_devices_indices_map(dp, fsdp, tp):
     cfg = _cfg()
-    mesh = M.train_mesh(MeshConfig(train_fsdp=fsdp, train_tp=tp))
+    mesh = M.train_mesh(MeshConfig(train_dp=dp, train_fsdp=fsdp, train_tp=tp))
     shape = dict(mesh.shape)
     specs = param_specs(cfg)
     extra = {"both": ((8, 12), PartitionSpec(("fsdp", "tp"))), "cols": ((4, 8), PartitionSpec(None, "tp"))}
@@ -58,7 +58,7 @@ def test_shard_box_matches_devices_indices_map(fsdp, tp):
     for shp, spec in cases:
         idx = NamedSharding(mesh, spec).devices_indices_map(shp)
         for p, d in enumerate(mesh.devices.flat):
-            coords = dict(zip(M.AXES, np.unravel_index(p, (fsdp, tp)), strict=True))
+            coords = dict(zip(M.AXES, np.unravel_index(p, (dp, fsdp, tp)), strict=True))
             want = tuple(sl.indices(n)[:2] for sl, n in zip(idx[d], shp, strict=True))
             assert S.shard_box(shp, spec, shape, coords) == want, (shp, spec, p)
 
@@ -350,7 +350,7 @@ def test_hf_engine_binds_fsdp_sharded_params():
     pub.publish(sharded, version=0)
     rep = pub.report()
     assert rep.counts["rebuilt"] > 0 and rep.counts["aligned"] > 0
-    assert rep.to_dict()["classification"]["train_mesh"] == {"fsdp": 4, "tp": 1}
+    assert rep.to_dict()["classification"]["train_mesh"] == {"dp": 1, "fsdp": 4, "tp": 1}
     bound = {normalize_name(k): t for k, t in eng.bound_tensors().items()}  # by the checkpoint's names
     norm = "model.norm.weight"
     assert bound[norm].data_ptr() == sharded[norm].addressable_shards[0].data.unsafe_buffer_pointer()

@@ -160,10 +160,10 @@ def vision_chunk_sizes(cfg: Config, largest_frame: int, mean_tokens: float, max_
     in one chunk; at scale a call's working set stays about one prompt's, as the prefix programs' was), a
     full-attention row its largest frame (a power of two), the buffer twice a batch of its largest rows plus a
     chunk (first-fit leaves every part but one at least half full). Rows: the step's prefix rows (one per prompt
-    with prefix sharing), split over the batch shards (``--train_fsdp``)."""
+    with prefix sharing), split over the batch shards (``--train_dp x --train_fsdp``)."""
     d = cfg.data
     rows = prefix_rows_total(cfg)
-    shards = cfg.mesh.train_fsdp
+    shards = cfg.mesh.batch_shards
     share = min(math.ceil(rows * mean_tokens / shards), d.max_prompt_len)
     units = d.vision_chunk_units or pow2(max(largest_frame, share))
     return VisionChunkSizes(units, d.vision_frame_units or pow2(largest_frame),
@@ -216,4 +216,4 @@ def vision_chunk_spec(cfg: Config, sizes: VisionChunkSizes | None = None) -> Chu
     if s.chunk_units <= 0:
         return None
     return ChunkSpec.for_run(s.chunk_units, s.batch_units, cfg.model.vision.merger_window**2, s.frame_units,
-                             cfg.mesh.train_fsdp)
+                             cfg.mesh.batch_shards)

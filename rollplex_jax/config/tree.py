@@ -341,21 +341,33 @@ class MemoryConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Device meshes per role. Training: fsdp x tp over the first fsdp x tp devices (the reference uses
-    the training mesh; several processes form one mesh over all their devices). Rollout: its own TP
-    degree; the in-process engines decode on one device (``rollout_tp=1``), other degrees are planned
-    and classified by ``launch.plan`` only (a run refuses them with a clear error)."""
+    """Device meshes per role. Training: dp x fsdp x tp over the first dp x fsdp x tp devices: parameters
+    sharded over fsdp x tp and replicated over dp, the batch split over dp x fsdp (the reference uses the
+    training mesh; several processes form one mesh over all their devices). Rollout: its own TP degree; the
+    in-process engines decode on one device (``rollout_tp=1``), other degrees are planned and classified by
+    ``launch.plan`` only (a run refuses them with a clear error)."""
 
+    train_dp: int = 1
     train_fsdp: int = 1
     train_tp: int = 1
     rollout_tp: int = 1
 
     def __post_init__(self):
-        for name in ("train_fsdp", "train_tp", "rollout_tp"):
+        for name in ("train_dp", "train_fsdp", "train_tp", "rollout_tp"):
             _require(getattr(self, name) >= 1, f"mesh.{name}", getattr(self, name), "must be >= 1")
 
     @property
     def train_devices(self) -> int:
+        return self.train_dp * self.train_fsdp * self.train_tp
+
+    @property
+    def batch_shards(self) -> int:
+        """How many parts the batch is split into: dp x fsdp."""
+        return self.train_dp * self.train_fsdp
+
+    @property
+    def weight_shards(self) -> int:
+        """How many devices one copy of the weights is sharded over: fsdp x tp."""
         return self.train_fsdp * self.train_tp
 
 

@@ -156,7 +156,7 @@ class Abstract:
         mask = np.ones_like(ids)
         img, vid = (grids, None) if kind == "image" else (None, grids)
         positions, next_pos = rope.get_rope_index(ids, mask, self.cfg.model, img, vid, None, types)
-        layout = rope.vision_layout(grids, self.cfg.model.vision).arrays(self.cfg.mesh.train_fsdp) \
+        layout = rope.vision_layout(grids, self.cfg.model.vision).arrays(self.cfg.mesh.batch_shards) \
             if len(grids) and not chunked else None
         a = self.array
         patches = int(np.prod(grids, -1).sum()) if len(grids) else 0

@@ -1,6 +1,8 @@
 """Device meshes per role and the logical-axis rules that shard parameters and activations on them.
 
-Training (actor and reference): a 2-D mesh ``(fsdp, tp)`` over the first ``fsdp x tp`` devices.
+Training (actor and reference): a 3-D mesh ``(dp, fsdp, tp)`` over the first ``dp x fsdp x tp`` devices
+(``--train_dp``, default 1: HSDP, the weights sharded over ``fsdp x tp`` within each data-parallel group and
+replicated across the ``dp`` groups; no rule maps a parameter axis to ``dp``).
 Every parameter names its logical axes (``models/qwen2_5_vl/params.py``); ``TRAIN_RULES`` maps
 them onto mesh axes, Megatron-style for TP (column-parallel q/k/v, gate/up and vision qkv/mlp split
 their output rows, row-parallel o/down split their input columns, the vocabulary is split) and
@@ -18,10 +20,12 @@ ZeRO-3-style for FSDP (the model dimension of every matrix is split over ``fsdp`
 
 A dimension that a mesh axis does not divide is replicated over that axis instead (listed by
 ``sharding_table`` so a user sees it). Activations: the residual stream is constrained at each
-block boundary to rows split over ``fsdp`` (data parallel) and replicated over ``tp``
+block boundary to rows split over ``dp x fsdp`` (``BATCH``: data parallel) and replicated over ``tp``
 (``models/qwen2_5_vl/layers.constrain_rows``), when a mesh is set (``jax.set_mesh``, which the
 runner does around each step).
-The reference scores on the training mesh with the same rules.
+The reference scores on the training mesh with the same rules. Gradients: the batch is split over dp and
+the parameters are replicated over it, so GSPMD sums each gradient over dp (an all-reduce) where the programs
+constrain it to the parameters' layout (``constrain_like_params``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from rollplex_jax.config import MeshConfig, ModelConfig
 from rollplex_jax.models.qwen2_5_vl.params import param_specs
 
-AXES = ("fsdp", "tp")
+AXES = ("dp", "fsdp", "tp")
+BATCH = ("dp", "fsdp")  # the axes that split the batch (rows), outermost first
 TRAIN_RULES: dict[str, str | None] = {
     "vocab": "tp", "q_heads": "tp", "kv_heads": "tp", "mlp": "tp", "embed": "fsdp",
     "vision_qkv": "tp", "vision_heads": "tp", "vision_mlp": "tp", "vision_merge_mlp": "tp",
@@ -48,15 +53,27 @@ class ShardingError(RuntimeError):
     """Parameters are not sharded as the mesh and rules say they should be."""
 
 
+def describe(m: MeshConfig) -> str:
+    """The training mesh as the flags that set it, e.g. ``--train_dp=2 x --train_fsdp=4 x --train_tp=1``."""
+    return (f"--train_dp={m.train_dp} x " if m.train_dp > 1 else "") + \
+        f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp}"
+
+
 def train_mesh(m: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The ``(fsdp, tp)`` training mesh over the first fsdp x tp devices (all processes' devices)."""
+    """The ``(dp, fsdp, tp)`` training mesh over the first dp x fsdp x tp devices (all processes' devices; a dp
+    group is fsdp x tp consecutive devices)."""
     devices = list(jax.devices() if devices is None else devices)
     n = m.train_devices
     if n > len(devices):
-        raise ValueError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} needs {n} devices but "
-                         f"{len(devices)} are visible; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n}")
-    grid = np.array(devices[:n], dtype=object).reshape(m.train_fsdp, m.train_tp)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+        raise ValueError(f"{describe(m)} needs {n} devices but {len(devices)} are visible; on CPU set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+    grid = np.array(devices[:n], dtype=object).reshape(m.train_dp, m.train_fsdp, m.train_tp)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def batch_axes(sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes of ``BATCH`` larger than 1 in a mesh of these axis sizes (what a row dimension is split over)."""
+    return tuple(a for a in BATCH if sizes.get(a, 1) > 1)
 
 
 def partition_spec(shape: Sequence[int], logical: Sequence[str | None], mesh: Mesh,

@@ -171,8 +171,8 @@ def pad_answers(rollouts: Rollouts, length: int, pad_id: int) -> Rollouts:
 
 
 def input_options(cfg: Config) -> InputOptions:
-    """How the run's scoring and training inputs are laid out: vision groups over ``fsdp``, ``--packing``,
+    """How the run's scoring and training inputs are laid out: vision groups over ``dp x fsdp``, ``--packing``,
     ``--shape_buckets``."""
-    return InputOptions(groups=cfg.mesh.train_fsdp, pack=cfg.programs.packing, buckets=cfg.programs.buckets,
+    return InputOptions(groups=cfg.mesh.batch_shards, pack=cfg.programs.packing, buckets=cfg.programs.buckets,
                         pack_cap=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
 

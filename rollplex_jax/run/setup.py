@@ -58,14 +58,14 @@ def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
     """The mesh and process layout can run here; raises ``ConfigError`` naming the flag to change."""
     m = cfg.mesh
     if procs.many and m.train_devices != jax.device_count():
-        raise ConfigError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} = {m.train_devices} devices, but "
+        raise ConfigError(f"{mesh_lib.describe(m)} = {m.train_devices} devices, but "
                           f"the {procs.count} processes of this job have {jax.device_count()}: a multi-process run "
-                          "trains on one mesh over all of them (set fsdp x tp to the total device count)")
+                          "trains on one mesh over all of them (set dp x fsdp x tp to the total device count)")
     if procs.many and cfg.rl.batch_prompts < procs.count:
         raise ConfigError(f"--batch_prompts={cfg.rl.batch_prompts} < {procs.count} processes: each process decodes "
                           "its share of the prompts; use at least one prompt per process")
     if m.train_devices > jax.device_count():
-        raise ConfigError(f"--train_fsdp={m.train_fsdp} x --train_tp={m.train_tp} needs {m.train_devices} devices but "
+        raise ConfigError(f"{mesh_lib.describe(m)} needs {m.train_devices} devices but "
                           f"{jax.device_count()} are visible (on CPU: XLA_FLAGS="
                           f"--xla_force_host_platform_device_count={m.train_devices})")
     if m.rollout_tp != 1:

@@ -274,10 +274,10 @@ def classify(layout: str | Sequence[EngineTensor], train: TrainShards, rollout_t
 
 def plan_sharing(cfg: ModelConfig, mesh: MeshConfig, layout: str | None = None, engine: str = "hf",
                  positions: Sequence[int] | None = None, placement: str = "blocked") -> SharingPlan:
-    """The classification for a training mesh (fsdp x tp, TRAIN_RULES) and rollout TP, without devices."""
+    """The classification for a training mesh (dp x fsdp x tp, TRAIN_RULES) and rollout TP, without devices."""
     from rollplex_jax.parallel.mesh import AXES, spec_for_sizes
 
-    mesh_shape = {"fsdp": mesh.train_fsdp, "tp": mesh.train_tp}
+    mesh_shape = {"dp": mesh.train_dp, "fsdp": mesh.train_fsdp, "tp": mesh.train_tp}
     specs = param_specs(cfg)
     coords = [dict(zip(AXES, map(int, np.unravel_index(p, tuple(mesh_shape[a] for a in AXES))), strict=True))
               for p in range(mesh.train_devices)]

@@ -186,7 +186,8 @@ def test_cli_32b_plan_fits_80gib_and_beats_naive_colocation():
     ws = out["weight_sharing"]  # issue 7: the per-tensor classification replaced the old rebuilt-bytes assumption
     assert ws["status"] == "classified" and "weight sharing (vllm layout" in r.stdout
     c = ws["classification"]
-    assert (c["layout"], c["train_mesh"], c["rollout_tp"], c["devices"]) == ("vllm", {"fsdp": 4, "tp": 8}, 4, 32)
+    mesh = {"dp": 1, "fsdp": 4, "tp": 8}
+    assert (c["layout"], c["train_mesh"], c["rollout_tp"], c["devices"]) == ("vllm", mesh, 4, 32)
     # at most a second copy of the rollout shard, plus the engine's vocabulary padding rows (all rebuilt here)
     assert ws["rebuilt_bytes_per_device"] == c["extra_bytes_per_device"] <= ws["naive_copy_bytes_per_device"] * 1.001
     assert rollplex["phases"]["rollout"]["rollout_weights"] == c["extra_bytes_per_device"]

@@ -185,11 +185,14 @@ def _assumptions(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         f"{mesh.batch_shards} shards; tp splits attention heads and MLP widths, the residual stream is whole on "
         f"every device of a tp group); rollout {mesh.rollout_replicas} replicas at tp {mesh.rollout_tp}, "
         f"{s.rows_roll} sequences each"
-        + ("; HYPOTHETICAL: the runtime's training mesh has no data-parallel axis beyond fsdp (dp > 1 is planned, "
-           "not run: --plan_devices above --train_fsdp x --train_tp)" if mesh.dp > 1 else ""),
+        + (f"; HYPOTHETICAL: {mesh.hypothetical_dp} data-parallel groups beyond the runtime's --train_dp="
+           f"{mesh.run_dp} (planned, not run: --plan_devices above dp x fsdp x tp)" if mesh.hypothetical_dp > 1 else
+           (f"; dp {mesh.dp} (--train_dp): weights, reference and optimizer state replicated over it" if mesh.dp > 1
+            else "")),
         "compute weights, gradients, reference weights, fp32 master weights and Adam moments: each parameter's "
         "shard on the fsdp x tp mesh (a dimension a mesh axis does not divide stays whole)"
-        + (f", master weights and moments / dp {mesh.dp}" if mesh.dp > 1 else "")
+        + (f", master weights and moments / {mesh.hypothetical_dp} (hypothetical ZeRO-1)"
+           if mesh.hypothetical_dp > 1 else "")
         + ("; with fsdp > 1 a backward holds every weight FSDP-gathered, a forward its non-layer weights and one "
            "layer's" if mesh.fsdp > 1 else ""),
         f"micro-batch: {planned_micro_batch(cfg)} rows globally -> {s.r_mb} per device (scoring and training run one "
@@ -233,7 +236,7 @@ def build_plan(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, 
         "rebuilt_fraction_of_rollout_shard": round(s.rebuilt / s.rollout_copy, 4) if s.rollout_copy else 0.0,
         "naive_copy_bytes_per_device": int(s.rollout_copy),
         "floor_bytes_per_device": s.classification["floor_bytes_per_device"],
-        "data_parallel": mesh.dp, "hypothetical": mesh.dp > 1,  # weights replicated over dp: planned, not run
+        "data_parallel": mesh.dp, "hypothetical": mesh.hypothetical_dp > 1,  # dp beyond --train_dp: planned
         "classification": s.classification,
     }
     phases = {"naive_colocation": naive_colocation(cfg, lengths, mesh, pm, s),

@@ -240,16 +240,24 @@ class PlanMesh:
     fsdp: int
     tp: int
     rollout_tp: int
+    run_dp: int = 1  # the runtime's --train_dp: optimizer state replicated over it (beyond it: planned, ZeRO-1)
 
     @classmethod
     def of(cls, cfg: Config, devices: int | None) -> PlanMesh:
         m = cfg.mesh
         d = devices or m.train_devices
         if d < 1 or d % m.train_devices:
-            raise ValueError(f"devices={d} must be a positive multiple of train_fsdp*train_tp={m.train_devices}")
+            raise ValueError(f"devices={d} must be a positive multiple of train_dp*train_fsdp*train_tp="
+                             f"{m.train_devices}")
         if d % m.rollout_tp:
             raise ValueError(f"devices={d} must be a multiple of rollout_tp={m.rollout_tp}")
-        return cls(d, m.train_fsdp, m.train_tp, m.rollout_tp)
+        return cls(d, m.train_fsdp, m.train_tp, m.rollout_tp, m.train_dp)
+
+    @property
+    def hypothetical_dp(self) -> int:
+        """Data-parallel groups planned beyond the runtime's (``--plan_devices`` above dp x fsdp x tp): not run;
+        the optimizer state is planned sharded over them (ZeRO-1)."""
+        return max(1, self.dp // self.run_dp)
 
     @property
     def weight_shards(self) -> int:

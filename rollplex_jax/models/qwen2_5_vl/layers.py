@@ -8,6 +8,8 @@ back before the weight multiply; linear weights in torch's ``[out, in]`` layout.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -81,38 +83,53 @@ def layer_params(params: dict, prefix: str) -> dict:
     return {k: v for k, v in params.items() if k.startswith(prefix)}
 
 
-def fsdp_size() -> int:
-    """Devices of the ``fsdp`` axis of the mesh in context (``jax.set_mesh``); 1 without one."""
+def _batch_axes() -> tuple[tuple[str, ...], int]:
+    """(the mesh in context's batch axes larger than 1 (``mesh.BATCH``: dp, fsdp), their product); ((), 1)
+    without a mesh."""
     m = jax.sharding.get_abstract_mesh()
-    return 1 if m.empty or "fsdp" not in m.axis_names else m.shape["fsdp"]
+    if m.empty:
+        return (), 1
+    axes = tuple(a for a in ("dp", "fsdp") if a in m.axis_names and m.shape[a] > 1)
+    return axes, math.prod(m.shape[a] for a in axes)
+
+
+def fsdp_size() -> int:
+    """Parts the batch is split into on the mesh in context (``jax.set_mesh``: dp x fsdp); 1 without one."""
+    return _batch_axes()[1]
+
+
+def _rows_spec(axes: tuple[str, ...]):
+    return axes[0] if len(axes) == 1 else axes
 
 
 def constrain_rows(x: jax.Array, dims: tuple[int, ...] = (0,)) -> jax.Array:
-    """Activation constraint at a block boundary: rows split over the mesh axis ``fsdp`` (data parallel),
-    every other dimension replicated (so over ``tp`` the residual stream is whole). The rows are the first
-    of ``dims`` that ``fsdp`` divides: a text block [B, N, T, D] passes ``(0, 1)``, so a suffix micro-batch of
-    fewer prompts than devices splits its answers instead (without it GSPMD replicated the micro-batch:
-    every device computed all of it).
+    """Activation constraint at a block boundary: rows split over the batch axes ``dp x fsdp`` (data
+    parallel), every other dimension replicated (so over ``tp`` the residual stream is whole). The rows are the
+    first of ``dims`` that the batch axes divide: a text block [B, N, T, D] passes ``(0, 1)``, so a suffix
+    micro-batch of fewer prompts than devices splits its answers instead (without it GSPMD replicated the
+    micro-batch: every device computed all of it).
 
-    A no-op without a mesh in context (``jax.set_mesh``; single-device runs), on a mesh without an
-    ``fsdp`` axis > 1, or when ``fsdp`` divides none of ``dims`` (GSPMD then chooses)."""
-    n = fsdp_size()
+    A no-op without a mesh in context (``jax.set_mesh``; single-device runs), on a mesh whose batch axes are
+    all 1, or when they divide none of ``dims`` (GSPMD then chooses)."""
+    axes, n = _batch_axes()
     dim = next((d for d in dims if d < x.ndim and x.shape[d] % n == 0), None)
     if n == 1 or dim is None:
         return x
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*([None] * dim), "fsdp"))
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*([None] * dim), _rows_spec(axes)))
 
 
 def constrain_kv(x: jax.Array) -> jax.Array:
-    """Keys or values [B, T, K, d] of padded rows: rows over ``fsdp`` and heads over ``tp`` where they divide
-    them, as the layer that computed them had them. Needed after a gather out of packed rows
+    """Keys or values [B, T, K, d] of padded rows: rows over ``dp x fsdp`` and heads over ``tp`` where they
+    divide them, as the layer that computed them had them. Needed after a gather out of packed rows
     (``packing.unpack_rows``), whose result GSPMD otherwise replicates (measured: the boundary KV of a
     shape-bucketed prefix on fsdp 2 x tp 2 held twice its share per device). A no-op without a mesh."""
     m = jax.sharding.get_abstract_mesh()
     if m.empty:
         return x
     spec = [None] * x.ndim
-    for dim, axis in ((0, "fsdp"), (2, "tp")):
-        if axis in m.axis_names and m.shape[axis] > 1 and x.shape[dim] % m.shape[axis] == 0:
-            spec[dim] = axis
+    axes, n = _batch_axes()
+    if axes and x.shape[0] % n == 0:
+        spec[0] = _rows_spec(axes)
+    if "tp" in m.axis_names and m.shape["tp"] > 1 and x.shape[2] % m.shape["tp"] == 0:
+        spec[2] = "tp"
     return x if not any(spec) else jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))

@@ -15,8 +15,8 @@ items first-fit decreasing into full-attention rows of ``spec.frame`` units and 
 own, a power of two above: a second shape, as rare as such items), and lays each part out as ``vision_forward``
 takes it: the items' patches then zero patches, the window gathers padded to ``spec.windows``, and the
 full-attention rows with the frames told apart by segment ids (``frame_ids``: each frame attends to itself
-only). A chunk is ``spec.groups`` parts (one per ``--train_fsdp`` device), stacked as ``vision_forward``'s groups,
-which the mesh splits over its devices: every device encodes one part per call, not the whole chunk. Each
+only). A chunk is ``spec.groups`` parts (one per batch shard: ``--train_dp x --train_fsdp``), stacked as
+``vision_forward``'s groups, which the mesh splits over its devices: every device encodes one part per call. Each
 chunk's merged tokens land in one buffer of ``spec.buffer`` rows at the chunk's offset (``Chunks.offsets``);
 ``Chunks.slots`` is the buffer row of every vision token in batch order (images then videos, as ``text.embed``
 takes them), which the text programs gather (``ModelInputs.vision_slots``). Outputs equal the whole-batch
