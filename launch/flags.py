@@ -337,6 +337,10 @@ _HELP = {
     "train_dp": "Training mesh: data-parallel degree outside fsdp x tp (HSDP): parameters, reference and optimizer "
                 "state sharded over fsdp x tp and replicated over dp, the batch split over dp x fsdp, gradients "
                 "reduced over dp. Devices: dp x fsdp x tp.",
+    "optimizer_shard": "With --train_dp > 1: dp (the default, auto) shards the fp32 master weights and Adam moments "
+                       "over dp as well (ZeRO-1: each data-parallel group's copy of the state split dp ways; the "
+                       "update computes its part and the new weights are all-gathered over dp), none keeps a whole "
+                       "copy per group.",
     "train_fsdp": "Training mesh: FSDP degree (actor and reference).",
     "train_tp": "Training mesh: tensor-parallel degree (actor and reference).",
     "rollout_tp": "Rollout engine tensor-parallel degree.",

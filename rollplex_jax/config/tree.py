@@ -297,6 +297,7 @@ class OptimConfig:
 
 
 OPTIMIZER_POLICIES = ("auto", "resident", "offload")
+OPTIMIZER_SHARDS = ("auto", "dp", "none")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -351,10 +352,17 @@ class MeshConfig:
     train_fsdp: int = 1
     train_tp: int = 1
     rollout_tp: int = 1
+    optimizer_shard: str = "auto"  # dp: master weights and moments sharded over dp too (ZeRO-1); auto: dp if > 1
 
     def __post_init__(self):
         for name in ("train_dp", "train_fsdp", "train_tp", "rollout_tp"):
             _require(getattr(self, name) >= 1, f"mesh.{name}", getattr(self, name), "must be >= 1")
+        _choice("mesh", "optimizer_shard", self.optimizer_shard, OPTIMIZER_SHARDS)
+
+    @property
+    def zero_dp(self) -> bool:
+        """Whether the optimizer state is sharded over dp (``--optimizer_shard``: dp, or auto with dp > 1)."""
+        return self.train_dp > 1 and self.optimizer_shard != "none"
 
     @property
     def train_devices(self) -> int:

@@ -311,7 +311,11 @@ def optimizer_state(optimizer, params: dict, A: Abstract):
                                                    for k, v in p.items()}
         chunks.append(A.like_params(jax.eval_shape(optimizer.tx.init, p if fp32 else master)))
         masters.append(master)
-    return OptState(tuple(chunks), tuple(masters))
+    state = OptState(tuple(chunks), tuple(masters))
+    if not optimizer.zero:
+        return state
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(  # ZeRO-1: as ChunkedOptimizer.shard_state lays it out
+        x.shape, x.dtype, sharding=mesh_lib.zero_sharding(x.sharding, x.shape)) if x.ndim else x, state)
 
 
 def _update_phase(ph: _Phases, optimizer, params, opt, grads, live: dict, offload: bool) -> None:
@@ -324,7 +328,7 @@ def _update_phase(ph: _Phases, optimizer, params, opt, grads, live: dict, offloa
     i = int(np.argmax(sizes))
     group = optimizer.names[i]
     args = ({k: params[k] for k in group}, opt.chunks[i], opt.master[i], {k: clipped[k] for k in group}, ok)
-    pb, _ = ph.compile(optimizer._chunk, *args)
+    pb, _ = ph.compile(optimizer.program(i, *args[:3]), *args)
     live = dict(live, clipped=abstract_shard_bytes(clipped))
     ph.live["update"] = live
     ph.add("update", "update_chunk", pb, set(),  # runs: every chunk at the largest's cost (an upper bound)
@@ -361,6 +365,7 @@ def _compiled_memory(cfg: Config, lengths, policy: str, frames: int, devices: li
     progs = make_programs(cfg.model, cfg.rl, cfg.optim, max(cfg.run.steps, 1), offload_optimizer=offload,
                           optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1, prog=cfg.programs,
                           temperature=cfg.rollout.temperature)
+    progs.optimizer.zero = cfg.mesh.zero_dp
     with jax.set_mesh(A.mesh) if A.mesh is not None else contextlib.nullcontext():
         opt = optimizer_state(progs.optimizer, A.params, A)
         base = {"compute_weights": abstract_shard_bytes(A.params),

@@ -160,6 +160,27 @@ def sharding_table(cfg: ModelConfig, mesh: Mesh) -> dict:
     return {"mesh": dict(mesh.shape), "patterns": rows, "undivided": undivided}
 
 
+def zero_sharding(s, shape: Sequence[int]):
+    """``s`` (a parameter's NamedSharding on a mesh with ``dp``) with ``dp`` added to the first dimension it
+    divides together with that dimension's axes (dp major), for the optimizer state (ZeRO-1: ``--optimizer_shard``);
+    ``s`` itself where dp is 1 or divides no dimension (then replicated over dp)."""
+    if not isinstance(s, NamedSharding) or s.mesh.shape.get("dp", 1) == 1:
+        return s
+    spec = tuple(s.spec) + (None,) * (len(shape) - len(s.spec))
+    for i, (dim, entry) in enumerate(zip(shape, spec, strict=True)):
+        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        if dim % (math.prod(s.mesh.shape[a] for a in axes) * s.mesh.shape["dp"]) == 0:
+            new = spec[:i] + (("dp", *axes) if axes else "dp",) + spec[i + 1:]
+            return NamedSharding(s.mesh, PartitionSpec(*new), memory_kind=s.memory_kind)
+    return s
+
+
+def zero_shardings(shardings: Mapping[str, NamedSharding], cfg: ModelConfig) -> dict[str, NamedSharding]:
+    """``zero_sharding`` of every parameter's sharding (what the optimizer state's tensors have with ZeRO-1)."""
+    specs = param_specs(cfg)
+    return {k: zero_sharding(s, specs[k][0]) for k, s in shardings.items()}
+
+
 def per_param_leaves(tree, shardings: Mapping[str, NamedSharding]) -> dict[str, jax.Array]:
     """The leaves of ``tree`` (e.g. an optimizer state) keyed by a parameter name in their path and shaped
     like that parameter, named ``<param>#<n>`` (moments, master weights), for ``check_sharded``."""

@@ -14,6 +14,12 @@ One update (``ChunkedOptimizer.update``):
 
 Since clipping uses the global norm and AdamW is element-wise, the result does not depend on the
 number of chunks (tests/programs/test_optimizer.py: 1 vs 4 chunks give identical params).
+
+ZeRO-1 (``zero``: ``--optimizer_shard=dp`` on a mesh with dp > 1): the master weights and moments are sharded over
+dp as well (``mesh.zero_sharding``: dp added to a dimension of each tensor), and each chunk's update program has
+its outputs laid out as its inputs (``program``): GSPMD then computes each device's part of the AdamW update on
+its dp shard of the state and all-gathers the new weights over dp (the params stay replicated over dp).
+AdamW is element-wise, so the result is the unsharded one (tests/test_sharded.py).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import optax
 
 from rollplex_jax.config import OptimConfig
 from rollplex_jax.parallel.memory_kinds import to_device, to_host
+from rollplex_jax.parallel.mesh import zero_sharding
 
 FROZEN_VISION = ("visual.",)
 
@@ -104,18 +111,39 @@ class ChunkedOptimizer:
     ``offload``. ``update`` has the signature of a donating program: (params, state, grads) ->
     (new params, new state, {grad_norm, update_ok}); the old params and state are consumed."""
 
-    def __init__(self, optim: OptimConfig, total_steps: int, *, n_chunks: int = 1, offload: bool = False):
-        self.optim, self.n_chunks, self.offload = optim, n_chunks, offload
+    def __init__(self, optim: OptimConfig, total_steps: int, *, n_chunks: int = 1, offload: bool = False,
+                 zero: bool = False):
+        self.optim, self.n_chunks, self.offload, self.zero = optim, n_chunks, offload, zero
         self.tx = inner_transform(optim, total_steps)
         self._clip = jax.jit(functools.partial(_clip, optim.grad_clip, frozen_prefixes(optim)))
         self._chunk = jax.jit(functools.partial(_update_chunk, self.tx), donate_argnums=(0, 1, 2))
+        self._programs: dict[int, Callable] = {}
+        self._meter = None
         self.names: list[tuple[str, ...]] | None = None
         self.on_chunk: Callable[[dict], None] | None = None  # memory meter hook: called with each chunk live
 
     def track(self, meter) -> None:
         """Counts the optimizer programs' XLA temp bytes in the ``update`` phase of ``meter``."""
+        self._meter = meter
         self._clip = meter.track(self._clip, "update", "clip")
         self._chunk = meter.track(self._chunk, "update", "update_chunk")
+
+    def program(self, i: int, params: dict, state, master) -> Callable:
+        """Chunk ``i``'s update program for these (arrays or abstract) inputs: without ZeRO the one shared program;
+        with it a program per chunk whose outputs keep the inputs' layouts (module doc)."""
+        if not self.zero:
+            return self._chunk
+        if i not in self._programs:
+            out = jax.tree.map(lambda x: x.sharding, (params, state, master))
+            fn = jax.jit(functools.partial(_update_chunk, self.tx), donate_argnums=(0, 1, 2), out_shardings=out)
+            self._programs[i] = self._meter.track(fn, "update", "update_chunk") if self._meter else fn
+        return self._programs[i]
+
+    def shard_state(self, state):
+        """``state`` with its parameter-shaped tensors sharded over dp too (ZeRO-1; as it is without ``zero``)."""
+        if not self.zero:
+            return state
+        return jax.tree.map(lambda x: jax.device_put(x, zero_sharding(x.sharding, x.shape)) if x.ndim else x, state)
 
     def init(self, params: dict) -> OptState:
         self.names = chunk_names(params, self.n_chunks)
@@ -126,7 +154,7 @@ class ChunkedOptimizer:
                 {k: v.astype(jnp.float32) for k, v in p.items()}
             chunks.append(self.tx.init(p if isinstance(master, optax.EmptyState) else master))
             masters.append(master)
-        return self.place(OptState(tuple(chunks), tuple(masters)))
+        return self.place(self.shard_state(OptState(tuple(chunks), tuple(masters))))
 
     def place(self, state: OptState) -> OptState:
         """Puts a state (e.g. a restored checkpoint) where this optimizer keeps it between updates."""
@@ -137,10 +165,11 @@ class ChunkedOptimizer:
             self.names = chunk_names(params, self.n_chunks)
         clipped, gnorm, ok = self._clip(grads)
         new_params, chunks, masters = {}, [], []
-        for names, s, m in zip(self.names, state.chunks, state.master, strict=True):
+        for i, (names, s, m) in enumerate(zip(self.names, state.chunks, state.master, strict=True)):
             if self.offload:
                 s, m = to_device((s, m))
-            p_new, s_new, m_new = self._chunk({k: params[k] for k in names}, s, m, {k: clipped[k] for k in names}, ok)
+            p = {k: params[k] for k in names}
+            p_new, s_new, m_new = self.program(i, p, s, m)(p, s, m, {k: clipped[k] for k in names}, ok)
             if self.on_chunk is not None:
                 self.on_chunk({"params": p_new, "state": s_new, "master": m_new, "clipped": clipped})
             if self.offload:

@@ -107,6 +107,7 @@ class Runner:
         self.programs = make_programs(cfg.model, cfg.rl, cfg.optim, cfg.run.steps, offload_optimizer=offload,
                                       optimizer_chunks=cfg.memory.optimizer_chunks if offload else 1,
                                       prog=cfg.programs, temperature=cfg.rollout.temperature)
+        self.programs.optimizer.zero = cfg.mesh.zero_dp  # ZeRO-1 over dp (--optimizer_shard)
         with self.mesh_scope():
             opt_state = self.programs.optimizer.init(placed.params)
         self.state = rl_step.TrainState(placed.params, opt_state, placed.ref_params)
@@ -191,8 +192,8 @@ class Runner:
         mesh_lib.check_sharded(s.params, self.shardings, "actor params")
         if s.ref_params is not None:
             mesh_lib.check_sharded(s.ref_params, self.shardings, "reference params")
-        mesh_lib.check_sharded(mesh_lib.per_param_leaves(s.opt_state, self.shardings), self.shardings,
-                               "optimizer state tensors")
+        state = mesh_lib.zero_shardings(self.shardings, self.cfg.model) if self.cfg.mesh.zero_dp else self.shardings
+        mesh_lib.check_sharded(mesh_lib.per_param_leaves(s.opt_state, state), state, "optimizer state tensors")
 
     def _engine_own_bytes(self) -> int:
         """Bytes of weight tensors the engine owns (rebuilt, not views of the actor's buffers)."""

@@ -105,3 +105,31 @@ def test_nonfinite_gradient_leaves_params_and_state_unchanged(params):
         np.testing.assert_array_equal(np.asarray(new[k]), np.asarray(v))
     counts = [int(memory_kinds.to_device(c[0].count)) for c in new_state.chunks]
     assert counts == [0, 0]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_zero1_over_dp_equals_the_replicated_update(params, offload):
+    """ZeRO-1 (``--optimizer_shard=dp``) on a dp 2 x fsdp 2 mesh: the master weights and moments are sharded over dp
+    (a quarter of each fp32 tensor on a device where dp and fsdp divide it) and stay so after updates, the params
+    keep their layout (replicated over dp), and the params equal the replicated-state update's bitwise (AdamW is
+    element-wise; each device computes its part). Chunked, and offloaded between updates."""
+    from rollplex_jax.config import MeshConfig
+    from rollplex_jax.parallel import mesh as mesh_lib
+
+    cfg = tiny_model_config(dtype="bfloat16")
+    mesh = mesh_lib.train_mesh(MeshConfig(train_dp=2, train_fsdp=2))
+    shardings = mesh_lib.param_shardings(cfg, mesh)
+    p16 = mesh_lib.place({k: v.astype(jnp.bfloat16) for k, v in params.items()}, shardings)
+    out = []
+    with jax.set_mesh(mesh):
+        for zero in (False, True):
+            opt = ChunkedOptimizer(OPTIM, 10, n_chunks=2, offload=offload, zero=zero)
+            got, state = _run(p16, opt)
+            out.append(got)
+    zs = mesh_lib.zero_shardings(shardings, cfg)
+    leaves = mesh_lib.per_param_leaves(state, shardings)
+    axes = {a for k in leaves for e in zs[k.split("#")[0]].spec for a in (e if isinstance(e, tuple) else (e,))}
+    assert leaves and "dp" in axes
+    mesh_lib.check_sharded(leaves, zs, "ZeRO-1 optimizer state")
+    for k in out[0]:
+        np.testing.assert_array_equal(out[1][k], out[0][k], err_msg=k)

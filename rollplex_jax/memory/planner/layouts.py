@@ -187,12 +187,14 @@ def _assumptions(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         f"{s.rows_roll} sequences each"
         + (f"; HYPOTHETICAL: {mesh.hypothetical_dp} data-parallel groups beyond the runtime's --train_dp="
            f"{mesh.run_dp} (planned, not run: --plan_devices above dp x fsdp x tp)" if mesh.hypothetical_dp > 1 else
-           (f"; dp {mesh.dp} (--train_dp): weights, reference and optimizer state replicated over it" if mesh.dp > 1
-            else "")),
+           (f"; dp {mesh.dp} (--train_dp): weights and reference replicated over it, the optimizer state "
+            + ("sharded over it (ZeRO-1, --optimizer_shard=dp)" if mesh.zero_dp else "replicated")
+            if mesh.dp > 1 else "")),
         "compute weights, gradients, reference weights, fp32 master weights and Adam moments: each parameter's "
         "shard on the fsdp x tp mesh (a dimension a mesh axis does not divide stays whole)"
-        + (f", master weights and moments / {mesh.hypothetical_dp} (hypothetical ZeRO-1)"
-           if mesh.hypothetical_dp > 1 else "")
+        + (f", master weights and moments / {mesh.optimizer_shards} (ZeRO-1 over dp"
+           + (", HYPOTHETICAL beyond --train_dp" if mesh.hypothetical_dp > 1 else "") + ")"
+           if mesh.optimizer_shards > 1 else "")
         + ("; with fsdp > 1 a backward holds every weight FSDP-gathered, a forward its non-layer weights and one "
            "layer's" if mesh.fsdp > 1 else ""),
         f"micro-batch: {planned_micro_batch(cfg)} rows globally -> {s.r_mb} per device (scoring and training run one "

@@ -113,8 +113,8 @@ def shared_sizes(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
     rollouts_b = rows_dev * Tr * 4 * 3
     return Sizes(
         counts=counts, compute=compute, ref=compute if cfg.rl.uses_reference else 0.0,
-        master=shard.total * F32 / mesh.hypothetical_dp if m.dtype != "float32" else 0.0,
-        moments=2 * shard.trainable * F32 / mesh.hypothetical_dp, opt_elems=shard.total / mesh.hypothetical_dp,
+        master=shard.total * F32 / mesh.optimizer_shards if m.dtype != "float32" else 0.0,
+        moments=2 * shard.trainable * F32 / mesh.optimizer_shards, opt_elems=shard.total / mesh.optimizer_shards,
         gathered=Gathered(g.all * b, g.forward * b, g.text_forward * b),
         rollout_copy=P * b / mesh.rollout_tp, rebuilt=classification["extra_bytes_per_device"],
         classification=classification, rows_roll=rows_roll, rollout_kv=rollout_kv, engine_tmp=engine_tmp,

@@ -240,7 +240,8 @@ class PlanMesh:
     fsdp: int
     tp: int
     rollout_tp: int
-    run_dp: int = 1  # the runtime's --train_dp: optimizer state replicated over it (beyond it: planned, ZeRO-1)
+    run_dp: int = 1  # the runtime's --train_dp (beyond it: planned, HYPOTHETICAL, optimizer state ZeRO-1)
+    zero_dp: bool = False  # the runtime shards the optimizer state over its dp too (--optimizer_shard)
 
     @classmethod
     def of(cls, cfg: Config, devices: int | None) -> PlanMesh:
@@ -251,13 +252,18 @@ class PlanMesh:
                              f"{m.train_devices}")
         if d % m.rollout_tp:
             raise ValueError(f"devices={d} must be a multiple of rollout_tp={m.rollout_tp}")
-        return cls(d, m.train_fsdp, m.train_tp, m.rollout_tp, m.train_dp)
+        return cls(d, m.train_fsdp, m.train_tp, m.rollout_tp, m.train_dp, m.zero_dp)
 
     @property
     def hypothetical_dp(self) -> int:
         """Data-parallel groups planned beyond the runtime's (``--plan_devices`` above dp x fsdp x tp): not run;
         the optimizer state is planned sharded over them (ZeRO-1)."""
         return max(1, self.dp // self.run_dp)
+
+    @property
+    def optimizer_shards(self) -> int:
+        """The dp groups the optimizer state is sharded over: the hypothetical ones, and the runtime's with ZeRO-1."""
+        return self.hypothetical_dp * (self.run_dp if self.zero_dp else 1)
 
     @property
     def weight_shards(self) -> int:
