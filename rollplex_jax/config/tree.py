@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 
+from rollplex_jax.config.meshes import MeshConfig
 from rollplex_jax.config.model import ConfigError, ModelConfig, _require
 from rollplex_jax.config.shapes import DEFAULT as DEFAULT_BUCKETS
 from rollplex_jax.config.shapes import Buckets, parse_buckets
@@ -297,7 +298,6 @@ class OptimConfig:
 
 
 OPTIMIZER_POLICIES = ("auto", "resident", "offload")
-OPTIMIZER_SHARDS = ("auto", "dp", "none")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -338,45 +338,6 @@ class MemoryConfig:
     def budget_bytes(self) -> int:
         """The per-device budget in bytes (0 = none)."""
         return parse_bytes(self.hbm_budget)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MeshConfig:
-    """Device meshes per role. Training: dp x fsdp x tp over the first dp x fsdp x tp devices: parameters
-    sharded over fsdp x tp and replicated over dp, the batch split over dp x fsdp (the reference uses the
-    training mesh; several processes form one mesh over all their devices). Rollout: its own TP degree; the
-    in-process engines decode on one device (``rollout_tp=1``), other degrees are planned and classified by
-    ``launch.plan`` only (a run refuses them with a clear error)."""
-
-    train_dp: int = 1
-    train_fsdp: int = 1
-    train_tp: int = 1
-    rollout_tp: int = 1
-    optimizer_shard: str = "auto"  # dp: master weights and moments sharded over dp too (ZeRO-1); auto: dp if > 1
-
-    def __post_init__(self):
-        for name in ("train_dp", "train_fsdp", "train_tp", "rollout_tp"):
-            _require(getattr(self, name) >= 1, f"mesh.{name}", getattr(self, name), "must be >= 1")
-        _choice("mesh", "optimizer_shard", self.optimizer_shard, OPTIMIZER_SHARDS)
-
-    @property
-    def zero_dp(self) -> bool:
-        """Whether the optimizer state is sharded over dp (``--optimizer_shard``: dp, or auto with dp > 1)."""
-        return self.train_dp > 1 and self.optimizer_shard != "none"
-
-    @property
-    def train_devices(self) -> int:
-        return self.train_dp * self.train_fsdp * self.train_tp
-
-    @property
-    def batch_shards(self) -> int:
-        """How many parts the batch is split into: dp x fsdp."""
-        return self.train_dp * self.train_fsdp
-
-    @property
-    def weight_shards(self) -> int:
-        """How many devices one copy of the weights is sharded over: fsdp x tp."""
-        return self.train_fsdp * self.train_tp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

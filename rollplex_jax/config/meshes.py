@@ -1,0 +1,44 @@
+"""The device meshes of a run (``MeshConfig``: part of the configuration tree, ``tree.Config.mesh``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rollplex_jax.config.model import _require
+
+OPTIMIZER_SHARDS = ("auto", "dp", "none")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device meshes per role. Training: dp x fsdp x tp over the first dp x fsdp x tp devices: parameters
+    sharded over fsdp x tp and replicated over dp, the batch split over dp x fsdp (the reference uses the
+    training mesh; several processes form one mesh over all their devices). Rollout: its own TP degree; the
+    in-process engines decode on one device (``rollout_tp=1``), other degrees are planned and classified by
+    ``launch.plan`` only (a run refuses them with a clear error)."""
+
+    train_dp: int = 1
+    train_fsdp: int = 1
+    train_tp: int = 1
+    rollout_tp: int = 1
+    optimizer_shard: str = "auto"  # dp: master weights and moments sharded over dp too (ZeRO-1); auto: dp if > 1
+
+    def __post_init__(self):
+        for name in ("train_dp", "train_fsdp", "train_tp", "rollout_tp"):
+            _require(getattr(self, name) >= 1, f"mesh.{name}", getattr(self, name), "must be >= 1")
+        _require(self.optimizer_shard in OPTIMIZER_SHARDS, "mesh.optimizer_shard", self.optimizer_shard,
+                 f"one of {', '.join(OPTIMIZER_SHARDS)}")
+
+    @property
+    def zero_dp(self) -> bool:
+        """Whether the optimizer state is sharded over dp (``--optimizer_shard``: dp, or auto with dp > 1)."""
+        return self.train_dp > 1 and self.optimizer_shard != "none"
+
+    @property
+    def train_devices(self) -> int:
+        return self.train_dp * self.train_fsdp * self.train_tp
+
+    @property
+    def batch_shards(self) -> int:
+        """How many parts the batch is split into: dp x fsdp."""
+        return self.train_dp * self.train_fsdp
