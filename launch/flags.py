@@ -334,9 +334,9 @@ _HELP = {
                         "(offload only if --hbm_budget needs it).",
     "optimizer_chunks": "Chunks of the streaming optimizer step when the optimizer state is offloaded.",
     "measure_memory": "Measure live device bytes per phase and buffer class (metrics memory/*, plots/memory.png).",
-    "train_dp": "Training mesh: data-parallel degree outside fsdp x tp (HSDP): parameters, reference and optimizer "
-                "state sharded over fsdp x tp and replicated over dp, the batch split over dp x fsdp, gradients "
-                "reduced over dp. Devices: dp x fsdp x tp.",
+    "train_dp": "Training mesh: data-parallel degree outside fsdp x tp (HSDP): parameters and reference sharded "
+                "over fsdp x tp and replicated over dp, the batch split over dp x fsdp, gradients reduced over dp, "
+                "the optimizer state sharded over dp too (--optimizer_shard). Devices: dp x fsdp x tp.",
     "optimizer_shard": "With --train_dp > 1: dp (the default, auto) shards the fp32 master weights and Adam moments "
                        "over dp as well (ZeRO-1: each data-parallel group's copy of the state split dp ways; the "
                        "update computes its part and the new weights are all-gathered over dp), none keeps a whole "
