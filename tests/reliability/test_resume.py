@@ -168,3 +168,40 @@ def test_restore_onto_another_mesh(tmp_path, n_restore):
     for k, v in tree["params"].items():
         assert len(v.sharding.device_set) == (n_restore if v.shape[0] % n_restore == 0 else n_restore)
         np.testing.assert_array_equal(np.asarray(v), np.asarray(params[k]))
+
+
+def test_train_state_saved_on_dp_restores_on_other_meshes(tmp_path):
+    """Issue 32: the actor params and the ZeRO-1 optimizer state saved on dp 2 x fsdp 2 (the state sharded over dp
+    and fsdp) restore onto fsdp 4 and onto one device, each laid out as that mesh's optimizer keeps it, with the
+    same values; the checkpoint does not record the mesh."""
+    from rollplex_jax.config import MeshConfig, OptimConfig
+    from rollplex_jax.parallel import mesh as mesh_lib
+    from rollplex_jax.programs.optimizer import ChunkedOptimizer
+
+    cfg = ModelConfig.from_json_file(REPO / "configs" / "models" / "demo.json")
+    params = {k: v.astype(jax.numpy.bfloat16) for k, v in init_params(cfg, jax.random.key(0)).items()}
+    grads = {k: jax.numpy.ones_like(v) for k, v in params.items()}
+
+    def state_on(mesh_cfg: MeshConfig):
+        mesh = mesh_lib.train_mesh(mesh_cfg)
+        placed = mesh_lib.place(params, mesh_lib.param_shardings(cfg, mesh))
+        opt = ChunkedOptimizer(OptimConfig(lr=1e-3), 10, n_chunks=2, zero=mesh_cfg.zero_dp)
+        with jax.set_mesh(mesh):
+            state = opt.init(placed)
+            placed, state, _ = opt.update(placed, state, dict(grads))  # moments and master weights not zero
+        return {"params": placed, "opt_state": state}
+
+    saved = state_on(MeshConfig(train_dp=2, train_fsdp=2))
+    master = jax.tree.leaves(saved["opt_state"].master)
+    assert any("dp" in str(x.sharding.spec).replace("fsdp", "") for x in master)  # ZeRO-1: over dp too
+    ck = Checkpointer(str(tmp_path), keep=1)
+    ck.save(1, saved, {"step": 1})
+    ck.wait()
+    want = jax.tree.map(np.asarray, saved)
+    for target in (MeshConfig(train_fsdp=4), MeshConfig()):
+        like = state_on(target)
+        tree, _ = ck.restore(1, like)
+        for got, ref, lk in zip(jax.tree.leaves(tree), jax.tree.leaves(want), jax.tree.leaves(like), strict=True):
+            assert got.sharding.is_equivalent_to(lk.sharding, got.ndim)
+            np.testing.assert_array_equal(np.asarray(got), ref)
+    ck.close()
