@@ -1,7 +1,7 @@
 """Per-device memory plan of a config before launch: naive colocation vs rollplex, per phase and class.
 
   python -m launch.plan --flagfile=configs/qwen2_5_vl_32b_h800x32.flags [--format=table|json]
-      [--plan_devices=N] [--plan_prompt_tokens=T] [--plan_vision_tokens=T] [--plan_response_tokens=T]
+      [--plan_prompt_tokens=T] [--plan_vision_tokens=T] [--plan_response_tokens=T]
       [--plan_video_frames=F] [--plan_attention=flash|dense] [--plan_remat=layer|none]
 
 Prints a table (phases as columns, buffer classes as rows, GiB per device, for both layouts, with the
@@ -12,6 +12,9 @@ formulas; ``types``: mesh, lengths, program model). The buffers are counted as X
 (``--target``, default h100; ``--target=cpu``: as the CPU's), and the last table line (JSON ``memory_fractions``)
 splits the card between XLA and the rollout engine: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` and vLLM's
 ``gpu_memory_utilization`` from the plan (``planner/fractions.py``). JSON ``versions``: the stack it ran on.
+It plans the training mesh that runs, dp x fsdp x tp (``--train_dp``, ``--train_fsdp``, ``--train_tp``):
+``--plan_devices``, if given, must be that mesh's device count (a larger count was once planned as
+hypothetical data-parallel groups; ``--train_dp`` runs them now, and the planner refuses any other count).
 
   python -m launch.plan --flagfile=... --compile [--target=h100|h200|h800|a100|cpu] [--format=json]
 
@@ -49,8 +52,9 @@ from launch import flags as launch_flags
 
 _FORMAT = flags.DEFINE_enum("format", "table", ["table", "json"], "table: for a person, then the JSON line; "
                             "json: only the JSON line.")
-_DEVICES = flags.DEFINE_integer("plan_devices", 0, "Devices to plan for (0 = --train_fsdp x --train_tp); a "
-                                "multiple of that (data-parallel replicas) and of --rollout_tp.", lower_bound=0)
+_DEVICES = flags.DEFINE_integer("plan_devices", 0, "Devices to plan for: 0 or the training mesh's (--train_dp x "
+                                "--train_fsdp x --train_tp); another count is refused (the planner plans the mesh "
+                                "that runs: set --train_dp for more data-parallel groups).", lower_bound=0)
 _PROMPT = flags.DEFINE_integer("plan_prompt_tokens", 0, "Prompt tokens per row, vision tokens included "
                                "(0 = --max_prompt_len).", lower_bound=0)
 _VISION = flags.DEFINE_integer("plan_vision_tokens", -1, "Vision (merged) tokens per prompt (-1 = the largest "
@@ -150,21 +154,15 @@ def table(p, budget_line: str) -> str:
     return "\n".join(lines)
 
 
-def sharing_table(ws: dict, devices: int = 0) -> str:
+def sharing_table(ws: dict) -> str:
     """The weight-sharing classification (issue 7): counts, bytes and byte fractions per class, per device; the
-    physical floor of the engine-owned bytes and the distance to it (issue 20). ``devices``: the plan's (a
-    training mesh smaller than that is replicated over data parallelism: HYPOTHETICAL)."""
+    physical floor of the engine-owned bytes and the distance to it (issue 20)."""
     from rollplex_jax.memory import planner
 
     c = ws["classification"]
     if not c:
         return ""
-    lines = [""]
-    if ws.get("hypothetical"):
-        lines.append(f"HYPOTHETICAL: weights sharded over {ws['train_shards']} devices and replicated over "
-                     f"{devices // ws['train_shards']} data-parallel groups, more than --train_dp gives (planned, not "
-                     "run: --plan_devices above dp x fsdp x tp)")
-    lines += [f"weight sharing ({c['layout']} layout, train mesh {c['train_mesh']}, rollout tp {c['rollout_tp']}, "
+    lines = ["", f"weight sharing ({c['layout']} layout, train mesh {c['train_mesh']}, rollout tp {c['rollout_tp']}, "
               f"{c['replicas']} replicas on {c['devices']} devices, {c['placement']} placement):",
              f"  {'class':<9}{'tensors':>9}{'GiB (all devices)':>19}{'fraction':>10}{'GiB/device (max)':>18}"]
     for k in ("aligned", "view", "rebuilt"):
@@ -233,7 +231,7 @@ def main(argv):
     if _FORMAT.value == "table":
         print(f"memory plan: {cfg.model.dtype}, {p.params.total:,} params, {p.devices} devices, per device")
         print(table(p, budget_line))
-        print(sharing_table(out["weight_sharing"], p.devices))
+        print(sharing_table(out["weight_sharing"]))
         print(fractions_line(out["memory_fractions"]))
         if _BASELINE.value:
             print(baseline_table(out["baseline"]))

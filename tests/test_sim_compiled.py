@@ -57,6 +57,9 @@ def test_schedules_take_the_compile_of_the_programs_they_run():
     r = both.schedules["serial"].phases["actor_bwd"] / base.schedules["serial"].phases["actor_bwd"]
     assert both.schedules["disaggregated"].phases["actor_bwd"] == pytest.approx(
         base.schedules["disaggregated"].phases["actor_bwd"] * r, rel=1e-12)
-    # another device count than the compiled mesh: nothing applies, and the assumptions say why
-    other = simulator.simulate(cfg, HW, devices=2 * cfg.mesh.train_devices, compiled={"rollplex": {"actor": big}})
+    # another device count than the compiled (and run) mesh is refused (issue 32: no hypothetical dp), and a
+    # compile no schedule runs applies nowhere, which the assumptions say
+    with pytest.raises(ValueError, match="--train_dp"):
+        simulator.simulate(cfg, HW, devices=2 * cfg.mesh.train_devices, compiled={"rollplex": {"actor": big}})
+    other = simulator.simulate(cfg, HW, compiled={"other": {"actor": big}})
     assert not other.sources and any("none applied" in a for a in other.assumptions)

@@ -84,12 +84,13 @@ def runs_key(cfg: Config, schedule: str) -> str | None:
 
 
 class Applied:
-    """The compiled costs as the schedules take them (module doc): exact, scaled by the family's ratio, or not at
-    all (another device count than the compile's mesh); records ``sources`` and the model-vs-compiled counts."""
+    """The compiled costs as the schedules take them (module doc): exact or scaled by the family's ratio (the
+    simulated mesh is the compiled one: ``PlanMesh.of`` refuses another device count); records ``sources`` and
+    the model-vs-compiled counts."""
 
-    def __init__(self, s: Setup, compiled: dict | None, n_dev: int):
+    def __init__(self, s: Setup, compiled: dict | None):
         self.s = s
-        self.compiled = (compiled or {}) if n_dev == s.cfg.mesh.train_devices else {}
+        self.compiled = compiled or {}
         self.sources: dict[str, dict[str, str]] = {}
         self.comparison: dict[str, dict] = {}
         self.ratios: dict[str, dict[str, float]] = {}

@@ -231,7 +231,8 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
       cfg: the run's config (model, batch, mesh, engine, schedule switches).
       hw: the device (``hardware.preset``).
       lengths: tokens per row (default ``Lengths.from_config(cfg)``).
-      devices: devices to simulate (None/0: train_fsdp * train_tp).
+      devices: devices to simulate: None / 0 or the training mesh's (train_dp x train_fsdp x train_tp); another
+        count raises ``ValueError`` (``PlanMesh.of``: the mesh that runs is simulated).
       response_mean: mean answer tokens (None: the max); decode steps follow the max.
       programs: the program model (None: the preset's default, dense on CPU, flash + remat on GPUs).
       disagg_split: the fraction of the devices in the disaggregated rollout pool.
@@ -245,7 +246,7 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
     sync = weight_sync(s)
     t_pf, t_vis, t_dec = rollout(s, D)
     base = {"host": hw.host_step_s, "prefill": t_pf, "engine_vision": t_vis, "decode": t_dec, "update": update(s, D)}
-    applied = Applied(s, compiled, D)
+    applied = Applied(s, compiled)
 
     def train(name: str, sharing: bool, split: bool) -> dict:
         return applied.times(name, {"update": base["update"], **training(s, D, sharing, split)}, D, sharing, split)
@@ -267,7 +268,7 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
         details["compiled_vs_model"] = applied.comparison
         notes.append("compiled: " + ("; ".join(f"{n}: {', '.join(f'{p} ({k})' for p, k in ps.items())}"
                                                for n, ps in applied.sources.items())
-                                     or f"none applied (the compile's {cfg.mesh.train_devices} devices, simulated {D})")
+                                     or "none applied (neither a rollplex nor a serial compile)")
                      + "; compiled = timed on the compiled programs' FLOPs, bytes, kernels and collectives, scaled = "
                      "the model's seconds x the compiled / model ratio of the same phase of the family's compiled "
                      "schedule (sim/compiled.py); every other phase from the cost model")

@@ -23,7 +23,7 @@ def probe_config(fsdp: int, tp: int, layers: int, full: bool):
     m = cfg.model
     model = dataclasses.replace(m, text=dataclasses.replace(m.text, num_hidden_layers=layers),
                                 vision=dataclasses.replace(m.vision, depth=2, fullatt_block_indexes=(1,)))
-    mesh = dataclasses.replace(cfg.mesh, train_fsdp=fsdp, train_tp=tp, rollout_tp=min(tp, 4))
+    mesh = dataclasses.replace(cfg.mesh, train_dp=1, train_fsdp=fsdp, train_tp=tp, rollout_tp=min(tp, 4))
     rl = cfg.rl if full else dataclasses.replace(cfg.rl, batch_prompts=fsdp, micro_batch=4 if fsdp > 1 else 1)
     cfg = dataclasses.replace(cfg, model=model, mesh=mesh, rl=rl)
     lengths = planner.Lengths.from_config(cfg) if full else planner.Lengths(2048, 1536, 256, source="probe")

@@ -156,10 +156,11 @@ def test_32b_flagfile_is_the_paper_setting():
                                                                dtype="bfloat16")
     # the actor's parameters in vLLM's layout: row groups of the training TP (8; rollout TP 4 divides it)
     assert (cfg.model.text.fuse_groups, cfg.model.text.vocab_multiple) == (8, 64)
-    # the paper's TP8 x DP4: its data-parallel groups are FSDP groups here (the runtime's mesh), 32 devices
-    assert (cfg.mesh.train_tp, cfg.mesh.train_fsdp, cfg.mesh.rollout_tp) == (8, 4, 4)
-    assert cfg.mesh.train_devices == 32 and cfg.run.actor_prefix == "recompute"
-    assert cfg.memory.optimizer_policy == "offload"
+    # the paper's TP8 x DP4 as the runtime runs it (issue 32): weights over tp, replicated over dp, the optimizer
+    # state sharded over dp (ZeRO-1, --optimizer_shard=auto); rollout at the paper's vLLM TP 4
+    assert (cfg.mesh.train_tp, cfg.mesh.train_fsdp, cfg.mesh.train_dp, cfg.mesh.rollout_tp) == (8, 1, 4, 4)
+    assert cfg.mesh.train_devices == 32 and cfg.mesh.zero_dp and cfg.run.actor_prefix == "recompute"
+    assert cfg.memory.optimizer_policy == "offload" and cfg.rollout.max_batch == 16
     lengths = planner.Lengths.from_config(cfg)
     assert lengths.vision_tokens >= 2000 and lengths.prompt_tokens > 5 * lengths.response_tokens
 
@@ -186,12 +187,13 @@ def test_cli_32b_plan_fits_80gib_and_beats_naive_colocation():
     ws = out["weight_sharing"]  # issue 7: the per-tensor classification replaced the old rebuilt-bytes assumption
     assert ws["status"] == "classified" and "weight sharing (vllm layout" in r.stdout
     c = ws["classification"]
-    mesh = {"dp": 1, "fsdp": 4, "tp": 8}
+    mesh = {"dp": 4, "fsdp": 1, "tp": 8}
     assert (c["layout"], c["train_mesh"], c["rollout_tp"], c["devices"]) == ("vllm", mesh, 4, 32)
     # at most a second copy of the rollout shard, plus the engine's vocabulary padding rows (all rebuilt here)
     assert ws["rebuilt_bytes_per_device"] == c["extra_bytes_per_device"] <= ws["naive_copy_bytes_per_device"] * 1.001
     assert rollplex["phases"]["rollout"]["rollout_weights"] == c["extra_bytes_per_device"]
     assert any("per-tensor classification" in a for a in out["assumptions"])
+    assert any("dp 4 (--train_dp)" in a and "ZeRO-1" in a for a in out["assumptions"])
     assert out["smallest_budget"]["bytes"] <= rollplex["peak_bytes"]
     assert "baseline" not in out and "physical floor" in r.stdout  # issue 20: the floor line; no preset by default
     f = out["memory_fractions"]  # issue 31: how XLA and vLLM share the card (--hbm_budget=80GiB in the flagfile)
@@ -250,7 +252,7 @@ def test_memory_fractions_cover_each_side_with_its_slack():
 
 def test_cli_json_format_and_overrides():
     r = _run_plan("--flagfile=configs/qwen2_5_vl_7b_8dev.flags", "--format=json", "--plan_prompt_tokens=1024",
-                  "--plan_vision_tokens=256", "--plan_response_tokens=128", "--plan_devices=16")
+                  "--plan_vision_tokens=256", "--plan_response_tokens=128", "--train_dp=2", "--plan_devices=16")
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(r.stdout.strip().splitlines()) == 1
     out = json.loads(r.stdout)
@@ -260,8 +262,29 @@ def test_cli_json_format_and_overrides():
     assert (out["lengths"]["prompt_tokens"], out["lengths"]["vision_tokens"], out["lengths"]["response_tokens"]) \
         == (1088, 256, 128)
     assert "shape buckets: 1088 prompt tokens" in out["lengths"]["source"]
-    bad = _run_plan("--flagfile=configs/qwen2_5_vl_7b_8dev.flags", "--plan_devices=12")
-    assert bad.returncode != 0 and "multiple of" in bad.stderr
+    assert out["details"]["data_parallel"] == 2
+
+
+@pytest.mark.parametrize("devices", [16, 12])
+def test_cli_refuses_plan_devices_other_than_the_mesh(devices):
+    """Issue 32: the hypothetical data parallelism of --plan_devices above dp x fsdp x tp is retired: the planner
+    plans the mesh that runs, and another count is refused, naming --train_dp (and the dp it would take)."""
+    bad = _run_plan("--flagfile=configs/qwen2_5_vl_7b_8dev.flags", f"--plan_devices={devices}")
+    assert bad.returncode != 0 and "--train_dp" in bad.stderr and "= 8 devices" in bad.stderr
+    assert ("--train_dp=2" in bad.stderr) == (devices == 16)
+    sim = _run_plan("--flagfile=configs/qwen2_5_vl_7b_8dev.flags", "--simulate", f"--plan_devices={devices}")
+    assert sim.returncode != 0 and "--train_dp" in sim.stderr
+
+
+def test_planner_api_refuses_devices_other_than_the_mesh():
+    cfg = _cfg("qwen2_5_vl_32b_h800x32.flags", "--train_dp=1", "--train_fsdp=1")
+    with pytest.raises(ValueError, match=r"devices=32 \(--plan_devices\) differs from the training mesh \(dp 1 x "
+                                         r"fsdp 1 x tp 8 = 8 devices\).*--train_dp=4"):
+        planner.plan(cfg, devices=32)
+    for fn in (planner.smallest_budget, lambda *a: planner.choose_optimizer_policy(*a, 80 * GiB)):
+        with pytest.raises(ValueError, match="--train_dp"):
+            fn(cfg, None, 16)
+    assert planner.plan(cfg, devices=8).devices == planner.plan(cfg).devices == 8
 
 
 def test_cli_compile_on_a_mesh_needs_no_xla_flags(tmp_path):
@@ -355,17 +378,21 @@ def test_prefix_sharing_reference_and_recompute_switches():
 # --- the weight-sharing floor and the paper's baseline (issue 20) --------------------------------------------
 
 @pytest.mark.parametrize("rollout_tp", [8, 4])
-def test_32b_sharing_floor_on_the_flagfile_and_the_megatron_layout(rollout_tp):
-    """The flagfile's ZeRO-3-style mesh (fsdp 4 x tp 8: 1/32 of every matrix per device) leaves a floor of
-    P/t_r - P/32; the HYPOTHETICAL Megatron layout (tp 8, weights replicated over 4 data-parallel groups) has
-    P/t_r - P/8: none at rollout TP 8 (the issue's <= 5% target), P/8 = 7.8 GiB at TP 4."""
+def test_32b_sharing_floor_on_the_flagfile_and_the_previous_mesh(rollout_tp):
+    """The flagfile's mesh, the paper's tp 8 x dp 4 (fsdp 1: weights over tp 8, replicated over dp; issue 32),
+    leaves a floor of P/t_r - P/8: nothing rebuilt at rollout TP 8 (the issue's <= 5% target), P/8 = 7.8 GiB at
+    TP 4. The previous mesh (--train_dp=1 --train_fsdp=4, ZeRO-3 style: 1/32 of every matrix per device) has
+    P/t_r - P/32 and rebuilds every matrix at either TP."""
     bf16 = 2 * planner.param_counts(_cfg("qwen2_5_vl_32b_h800x32.flags")).total
-    for fsdp, shards in ((4, 32), (1, 8)):
-        cfg = _cfg("qwen2_5_vl_32b_h800x32.flags", f"--rollout_tp={rollout_tp}", f"--train_fsdp={fsdp}")
-        assert cfg.model.text.fuse_groups == 8  # fused.param_layout(8, 8) and (8, 4)
-        ws = planner.plan(cfg, devices=32).weight_sharing
+    for dp, fsdp, shards in ((4, 1, 8), (1, 4, 32)):
+        cfg = _cfg("qwen2_5_vl_32b_h800x32.flags", f"--rollout_tp={rollout_tp}", f"--train_dp={dp}",
+                   f"--train_fsdp={fsdp}")
+        assert cfg.model.text.fuse_groups == 8 and cfg.mesh.train_devices == 32  # fused.param_layout(8, 8), (8, 4)
+        ws = planner.plan(cfg).weight_sharing
         c = ws["classification"]
-        assert ws["hypothetical"] == (fsdp == 1) and ws["floor_bytes_per_device"] == c["floor_bytes_per_device"]
+        assert "hypothetical" not in ws and ws["data_parallel"] == dp
+        assert c["train_mesh"] == {"dp": dp, "fsdp": fsdp, "tp": 8}
+        assert ws["floor_bytes_per_device"] == c["floor_bytes_per_device"]
         floor = max(0.0, bf16 / rollout_tp - bf16 / shards)
         assert c["floor_bytes_per_device"] == pytest.approx(floor, rel=0.01, abs=2**20)
         assert c["floor_bytes_per_device"] <= c["extra_bytes_per_device"]

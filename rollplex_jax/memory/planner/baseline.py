@@ -76,7 +76,9 @@ def megatron_vllm(cfg: Config, lengths: Lengths | None = None, devices: int | No
     rtp = a.rollout_tp or cfg.mesh.rollout_tp
     if D % tp or D % rtp:
         raise ValueError(f"devices={D} must be a multiple of --train_tp={tp} and of the rollout TP {rtp}")
-    mesh = PlanMesh(D, 1, tp, rtp)  # Megatron: weights over tp only, dp = D / tp replicas
+    # Megatron: weights over tp only, dp = D / tp replicas; the master weights and moments are set below
+    # (opt_shards), the naive update's AdamW temporaries (shared_sizes.opt_elems) taken over a dp shard
+    mesh = PlanMesh(D, 1, tp, rtp, run_dp=D // tp, zero_dp=True)
     s = shared_sizes(cfg, lengths, mesh, pm)
     b = dtype_bytes(cfg.model)
     P, dp = s.counts.total, D // tp

@@ -40,7 +40,8 @@ def plan(cfg: Config, lengths: Lengths | None = None, devices: int | None = None
     Args:
       cfg: the run's config.
       lengths: tokens per row (default ``Lengths.from_config(cfg)``, the worst case).
-      devices: devices to plan for; None/0: train_fsdp * train_tp.
+      devices: None / 0 or the training mesh's device count (train_dp * train_fsdp * train_tp); another count
+        raises ``ValueError`` naming ``--train_dp`` (``PlanMesh.of``: the mesh that runs is planned).
       programs: the program model (default: the programs the config builds, ``ProgramModel.of(cfg.programs)``).
       optimizer_policy: overrides the config's for the rollplex layout ('auto' resolves against
         ``cfg.memory.hbm_budget``, no budget -> resident).

@@ -36,7 +36,8 @@ Sizes (P params, b = dtype bytes, L decoder layers, K kv heads, d head dim, V vo
 Tp / Tv / Tr prompt / vision / answer tokens per row from ``Lengths``; K_dev(t) = K / t where t divides
 K, else K; the engine's K_dev(rollout_tp) = max(1, ceil(K / rollout_tp)), vLLM's replicated kv heads):
 - weights, gradients, master weights and Adam moments: each parameter's shard on the fsdp x tp mesh
-  (``shards``; the optimizer state has the params' layout), / dp for data-parallel replicas (HYPOTHETICAL);
+  (``shards``; the optimizer state has the params' layout), replicated over dp (``--train_dp``), master
+  weights and moments / dp with the optimizer state sharded over it (ZeRO-1, ``--optimizer_shard``);
 - rollout KV per device = rows x (Tp + Tr) x L x 2 x K_dev(rollout_tp) x d x b (no prompt sharing
   inside the engine: an upper bound for vLLM's prefix caching);
 - boundary KV per device = (actor + reference) [L, B', Tp, K_dev(tp), d] x 2 (k, v) x b + the last
@@ -81,13 +82,14 @@ Activations (phase-local temporaries of the largest program in a phase), per dev
   serial schedule's micro-batches are built up front).
 
 Naive colocation vs the paper's "about 165 GiB per GPU" (Qwen2.5-VL-32B, 32 x H800): with
-``configs/qwen2_5_vl_32b_h800x32.flags`` this planner's naive layout gives about 88 GiB, 25 of them the 256
-answers' inputs held whole on every device (dense attention with per-layer recompute: about 108 GiB). It is
-our runtime's sharding with everything resident, not the paper's stack: weights, bf16 gradients, fp32
-master weights and Adam moments all sharded over the 32 GPUs (ZeRO-3 style), a rollout KV cache of exactly
-the sequences a replica decodes, one sequence per GPU per micro-batch with a memory-efficient attention
-kernel and per-layer recompute, and by definition no boundary KV. The paper's stack is planned by
-``baseline.megatron_vllm`` (``launch.plan --baseline=megatron_vllm``, HYPOTHETICAL): weights over TP 8 only,
+``configs/qwen2_5_vl_32b_h800x32.flags`` on its previous mesh (``--train_dp=1 --train_fsdp=4 --max_batch=256``)
+this planner's naive layout gives about 91 GiB, 28 of them the 256 answers' inputs held whole on every device
+(dense attention with per-layer recompute: about 114 GiB; on the flagfile's tp 8 x dp 4, weights and gradients
+over tp only: about 102 GiB). It is our runtime's sharding with everything resident, not the paper's stack:
+there weights, bf16 gradients, fp32 master weights and Adam moments all sharded over the 32 GPUs (ZeRO-3 style),
+a rollout KV cache of exactly the sequences a replica decodes, one sequence per GPU per micro-batch with a
+memory-efficient attention kernel and per-layer recompute, and by definition no boundary KV. The paper's stack is
+planned by ``baseline.megatron_vllm`` (``launch.plan --baseline=megatron_vllm``, HYPOTHETICAL): weights over TP 8 only,
 Megatron's fp32 main-grad buffers, its distributed optimizer over the data-parallel group, vLLM's pool at
 gpu_memory_utilization 0.9 x 80 GiB, per-sample actor and reference boundary KV: about 147 GiB, 18 GiB under
 the paper's figure (not tuned to match). vLLM's gpu_memory_utilization moves it most (0.45: -36 GiB); without
@@ -185,15 +187,12 @@ def _assumptions(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         f"{mesh.batch_shards} shards; tp splits attention heads and MLP widths, the residual stream is whole on "
         f"every device of a tp group); rollout {mesh.rollout_replicas} replicas at tp {mesh.rollout_tp}, "
         f"{s.rows_roll} sequences each"
-        + (f"; HYPOTHETICAL: {mesh.hypothetical_dp} data-parallel groups beyond the runtime's --train_dp="
-           f"{mesh.run_dp} (planned, not run: --plan_devices above dp x fsdp x tp)" if mesh.hypothetical_dp > 1 else
-           (f"; dp {mesh.dp} (--train_dp): weights and reference replicated over it, the optimizer state "
-            + ("sharded over it (ZeRO-1, --optimizer_shard=dp)" if mesh.zero_dp else "replicated")
-            if mesh.dp > 1 else "")),
+        + (f"; dp {mesh.dp} (--train_dp): weights and reference replicated over it, the optimizer state "
+           + ("sharded over it (ZeRO-1, --optimizer_shard=dp)" if mesh.zero_dp else "replicated")
+           if mesh.dp > 1 else ""),
         "compute weights, gradients, reference weights, fp32 master weights and Adam moments: each parameter's "
         "shard on the fsdp x tp mesh (a dimension a mesh axis does not divide stays whole)"
-        + (f", master weights and moments / {mesh.optimizer_shards} (ZeRO-1 over dp"
-           + (", HYPOTHETICAL beyond --train_dp" if mesh.hypothetical_dp > 1 else "") + ")"
+        + (f", master weights and moments / {mesh.optimizer_shards} (ZeRO-1 over dp)"
            if mesh.optimizer_shards > 1 else "")
         + ("; with fsdp > 1 a backward holds every weight FSDP-gathered, a forward its non-layer weights and one "
            "layer's" if mesh.fsdp > 1 else ""),
@@ -238,7 +237,7 @@ def build_plan(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, 
         "rebuilt_fraction_of_rollout_shard": round(s.rebuilt / s.rollout_copy, 4) if s.rollout_copy else 0.0,
         "naive_copy_bytes_per_device": int(s.rollout_copy),
         "floor_bytes_per_device": s.classification["floor_bytes_per_device"],
-        "data_parallel": mesh.dp, "hypothetical": mesh.hypothetical_dp > 1,  # dp beyond --train_dp: planned
+        "data_parallel": mesh.dp,
         "classification": s.classification,
     }
     phases = {"naive_colocation": naive_colocation(cfg, lengths, mesh, pm, s),

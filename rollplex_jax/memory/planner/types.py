@@ -12,21 +12,20 @@ program model:
   paper's stack (Megatron-Core with FlashAttention and activation recompute, vLLM) does; every plan lists
   which it used in its assumptions. ``plan(programs=None)`` (the default) plans the run's own programs
   (``ProgramModel.of(cfg.programs)``), which is what ``rollplex_jax.memory.meter`` measures.
-- ``PlanMesh``: mesh and sharding (``D`` = devices, ``--plan_devices``, default ``mesh.train_fsdp *
-  mesh.train_tp``):
-  - data-parallel replicas ``dp = D / (fsdp * tp)``; the batch is split over ``D / tp`` shards (FSDP
-    shards the batch as well as the params); tensor parallelism splits the attention heads and MLP widths
-    (and their activations) over ``tp``, the residual stream is whole on every device of a tp group, as
-    the programs lay it out (no sequence parallelism; ``activations.tp_widths``). HYPOTHETICAL for dp > 1
-    (``--plan_devices`` above ``fsdp * tp``): the runtime's training mesh has no data-parallel axis beyond
-    fsdp; the assumptions say so when it applies;
+- ``PlanMesh``: mesh and sharding of the training mesh that runs (``D`` = devices = ``mesh.train_dp *
+  mesh.train_fsdp * mesh.train_tp``; another count is refused, naming ``--train_dp``: the planner plans no
+  data parallelism the runtime does not run):
+  - data-parallel replicas ``dp = D / (fsdp * tp)`` (``--train_dp``); the batch is split over ``D / tp``
+    shards (dp x fsdp: FSDP shards the batch as well as the params); tensor parallelism splits the attention
+    heads and MLP widths (and their activations) over ``tp``, the residual stream is whole on every device of
+    a tp group, as the programs lay it out (no sequence parallelism; ``activations.tp_widths``);
   - compute weights (``cfg.model.dtype``), gradients (same dtype as the params), reference weights, fp32
     master weights (only when the dtype is not float32) and Adam's two fp32 moments: each parameter's
     shard on the fsdp x tp mesh (``shards``: a dimension a mesh axis does not divide stays whole; the
-    optimizer state has the params' layout), master weights and moments also / dp over data-parallel
-    replicas (HYPOTHETICAL, as Megatron's distributed optimizer); the reference is skipped entirely when it
-    is not used (``cfg.rl.uses_reference``: no KL in the objective and no ``--log_kl``); moments cover
-    trainable params only (not the vision tower with ``--freeze_vision``);
+    optimizer state has the params' layout), replicated over dp, except master weights and moments, which are
+    also / dp with the optimizer state sharded over dp (ZeRO-1, ``--optimizer_shard``); the reference is
+    skipped entirely when it is not used (``cfg.rl.uses_reference``: no KL in the objective and no
+    ``--log_kl``); moments cover trainable params only (not the vision tower with ``--freeze_vision``);
   - the rollout engine runs ``D / rollout_tp`` replicas; each decodes
     ``rows = min(B * G / (D / rollout_tp), rollout.max_batch)`` sequences at once.
 - ``ParamCounts`` / ``param_counts``: the real model's parameter counts (``params.param_shapes``).
@@ -240,30 +239,29 @@ class PlanMesh:
     fsdp: int
     tp: int
     rollout_tp: int
-    run_dp: int = 1  # the runtime's --train_dp (beyond it: planned, HYPOTHETICAL, optimizer state ZeRO-1)
-    zero_dp: bool = False  # the runtime shards the optimizer state over its dp too (--optimizer_shard)
+    run_dp: int = 1  # the runtime's --train_dp (PlanMesh.of: devices // (fsdp * tp))
+    zero_dp: bool = False  # the optimizer state is sharded over dp too (--optimizer_shard; Megatron's distributed one)
 
     @classmethod
     def of(cls, cfg: Config, devices: int | None) -> PlanMesh:
+        """The training mesh of ``cfg``; ``devices`` (None / 0: the mesh's) must be its device count."""
         m = cfg.mesh
         d = devices or m.train_devices
-        if d < 1 or d % m.train_devices:
-            raise ValueError(f"devices={d} must be a positive multiple of train_dp*train_fsdp*train_tp="
-                             f"{m.train_devices}")
+        if d != m.train_devices:
+            raise ValueError(
+                f"devices={d} (--plan_devices) differs from the training mesh (dp {m.train_dp} x fsdp "
+                f"{m.train_fsdp} x tp {m.train_tp} = {m.train_devices} devices): the planner plans the mesh that runs; "
+                + (f"set --train_dp={d // (m.train_fsdp * m.train_tp)} (or --train_fsdp) for {d} devices"
+                   if d > 0 and d % (m.train_fsdp * m.train_tp) == 0 else
+                   f"set --train_dp / --train_fsdp / --train_tp to a mesh of {d} devices"))
         if d % m.rollout_tp:
             raise ValueError(f"devices={d} must be a multiple of rollout_tp={m.rollout_tp}")
         return cls(d, m.train_fsdp, m.train_tp, m.rollout_tp, m.train_dp, m.zero_dp)
 
     @property
-    def hypothetical_dp(self) -> int:
-        """Data-parallel groups planned beyond the runtime's (``--plan_devices`` above dp x fsdp x tp): not run;
-        the optimizer state is planned sharded over them (ZeRO-1)."""
-        return max(1, self.dp // self.run_dp)
-
-    @property
     def optimizer_shards(self) -> int:
-        """The dp groups the optimizer state is sharded over: the hypothetical ones, and the runtime's with ZeRO-1."""
-        return self.hypothetical_dp * (self.run_dp if self.zero_dp else 1)
+        """The dp groups the optimizer state is sharded over: the runtime's dp with ZeRO-1, else none."""
+        return self.run_dp if self.zero_dp else 1
 
     @property
     def weight_shards(self) -> int:
