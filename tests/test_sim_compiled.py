@@ -63,3 +63,15 @@ def test_schedules_take_the_compile_of_the_programs_they_run():
         simulator.simulate(cfg, HW, devices=2 * cfg.mesh.train_devices, compiled={"rollplex": {"actor": big}})
     other = simulator.simulate(cfg, HW, compiled={"other": {"actor": big}})
     assert not other.sources and any("none applied" in a for a in other.assumptions)
+
+
+def test_a_compiled_actor_holds_the_dp_sum():
+    """The compiled gradient programs' collective bytes hold the gradient sums over dp (GSPMD reduces every gradient
+    program's output over dp), so a schedule whose actor is compiled drops the modelled dp_allreduce phase (not
+    counted twice); one without a compile of its family keeps it."""
+    cfg = _config("configs/tiny_cpu.flags", "--train_dp=2")
+    base = simulator.simulate(cfg, HW)
+    assert base.schedules["rollplex"].phases["dp_allreduce"] > 0
+    sim = simulator.simulate(cfg, HW, compiled={"rollplex": {"actor": _costs(1e12, 1e10)}})
+    assert sim.schedules["rollplex"].phases["dp_allreduce"] == sim.schedules["overlap_only"].phases["dp_allreduce"] == 0
+    assert sim.schedules["serial"].phases["dp_allreduce"] == base.schedules["serial"].phases["dp_allreduce"] > 0

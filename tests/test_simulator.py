@@ -13,7 +13,7 @@ from absl import flags
 from rollplex_jax import sim as simulator
 from rollplex_jax.memory import planner
 from rollplex_jax.programs.costs import ZERO, ProgramCost, program_costs
-from rollplex_jax.sim import hardware
+from rollplex_jax.sim import costs, hardware, phases, schedules
 from tests.paths import REPO
 
 
@@ -104,6 +104,78 @@ def test_weight_sync_refills_the_rebuilt_buffers_of_the_classification():
     sim = simulator.simulate(one, hw, planner.Lengths.from_config(one))
     assert all(sim.schedules[n].phases["weight_sync"] == 0 for n in ("rollplex", "overlap_only", "sharing_only"))
 
+
+def _dp_by_hand(cfg, dp: int, shards: int, bw: float) -> float:
+    """One step's gradient sums over dp, by hand: mini-batches x 2 (dp-1)/dp x P_t / (fsdp tp) x 2 B (bf16) / link."""
+    return cfg.rl.mini_batches * 2 * (dp - 1) / dp * planner.param_counts(cfg).trainable / shards * 2 / bw
+
+
+def test_dp_allreduce_by_hand():
+    """Issue 32: dp 2 x fsdp 2 x tp 2 (8 devices, one H800 node): every schedule sums the gradients over dp once per
+    optimizer step, over NVLink, in a phase of its own between the backward and the update; twice with two
+    mini-batches; ZeRO-1 (--optimizer_shard) moves the same bytes and shards the update over dp too. dp 1 has none."""
+    hw = hardware.H800
+    cfg = _config("configs/qwen2_5_vl_7b_8dev.flags", "--train_dp=2", "--train_fsdp=2", "--train_tp=2")
+    expect = _dp_by_hand(cfg, 2, 4, hw.intra_bw)
+    sim = simulator.simulate(cfg, hw)
+    assert sim.details["dp_allreduce"]["run"]["link"] == "NVLink" and expect > 0
+    for name in ("serial", "rollplex", "overlap_only", "sharing_only"):
+        sc = sim.schedules[name]
+        assert sc.phases["dp_allreduce"] == pytest.approx(expect, rel=1e-12)
+        spans = {p: (a, b) for _, p, a, b in sc.spans}
+        assert spans["dp_allreduce"][0] == spans["actor_bwd"][1] and spans["update"][0] == spans["dp_allreduce"][1]
+    assert any(line.startswith("dp all-reduce: gradients summed over dp 2") for line in sim.assumptions)
+    assert "dp_allreduce" in simulator.table(sim)
+    two = simulator.simulate(_config("configs/qwen2_5_vl_7b_8dev.flags", "--train_dp=2", "--train_fsdp=2",
+                                     "--train_tp=2", "--mini_batches=2"), hw)
+    assert two.schedules["serial"].phases["dp_allreduce"] == pytest.approx(2 * expect, rel=1e-12)
+    none = _config("configs/qwen2_5_vl_7b_8dev.flags", "--train_dp=2", "--train_fsdp=2", "--train_tp=2",
+                   "--optimizer_shard=none")
+    assert cfg.mesh.zero_dp and not none.mesh.zero_dp
+    s_zero, s_none = (simulator.Setup.of(c, hw, None, None, None, None) for c in (cfg, none))
+    assert phases.dp_allreduce(s_none, s_none.mesh).seconds == pytest.approx(expect, rel=1e-12)
+    ops = hw.op_overhead_s * 6 * costs.n_tensors(cfg)  # the update's per-tensor kernels; the rest is its bytes
+    assert phases.update(s_none, s_none.mesh) - ops == pytest.approx(2 * (phases.update(s_zero, s_zero.mesh) - ops),
+                                                                      rel=1e-12)  # state over 4 vs 8 devices
+    one = simulator.simulate(_config("configs/qwen2_5_vl_7b_8dev.flags"), hw)  # fsdp 4 x tp 2: dp 1
+    assert all(sc.phases["dp_allreduce"] == 0 for sc in one.schedules.values())
+    assert "dp_allreduce" not in simulator.table(one)
+
+
+def test_dp_allreduce_link_follows_the_node():
+    """A dp group's members are fsdp x tp devices apart (dp outer): it stays in a node, on NVLink, only while dp x
+    fsdp x tp <= devices_per_node, else its sum crosses the network. The 32B mesh (tp 8 x dp 4, 8 GPUs a node) and
+    its disaggregated training pool (16 devices: dp 2 x tp 8) sum over the network."""
+    cfg = _config("configs/qwen2_5_vl_7b_8dev.flags", "--train_dp=2", "--train_fsdp=2", "--train_tp=2")
+    for per_node, link, bw in ((8, "NVLink", hardware.H800.intra_bw), (4, "network", hardware.H800.inter_bw)):
+        hw = hardware.H800.replace(devices_per_node=per_node)
+        sim = simulator.simulate(cfg, hw)
+        assert sim.details["dp_allreduce"]["run"]["link"] == link
+        assert sim.schedules["rollplex"].phases["dp_allreduce"] == pytest.approx(_dp_by_hand(cfg, 2, 4, bw),
+                                                                                 rel=1e-12)
+    big = _config("configs/qwen2_5_vl_32b_h800x32.flags")
+    assert (big.mesh.train_dp, big.mesh.train_fsdp, big.mesh.train_tp) == (4, 1, 8)
+    sim = simulator.simulate(big, hardware.H800)
+    inter = hardware.H800.inter_bw
+    assert sim.details["dp_allreduce"]["run"]["link"] == "network"
+    assert sim.schedules["serial"].phases["dp_allreduce"] == pytest.approx(_dp_by_hand(big, 4, 8, inter), rel=1e-12)
+    assert sim.details["disagg_pools"] == [16, 16] and sim.details["dp_allreduce"]["disaggregated"]["dp"] == 2
+    assert sim.schedules["disaggregated"].phases["dp_allreduce"] == pytest.approx(_dp_by_hand(big, 2, 8, inter),
+                                                                                  rel=1e-12)
+
+
+def test_disaggregated_pool_mesh_keeps_dp_semantics():
+    """The training pool keeps the run's tp and its fsdp (or the largest divisor of pool / tp below it) and puts
+    the rest on dp, with ZeRO-1 over it as --optimizer_shard says."""
+    cfg = _config("configs/qwen2_5_vl_7b_8dev.flags")  # fsdp 4 x tp 2
+    s = simulator.Setup.of(cfg, hardware.H800, None, None, None, None)
+    for d_t, fsdp, dp in ((24, 4, 3), (12, 3, 2), (4, 2, 1), (8, 4, 1)):
+        m = schedules.pool_mesh(s, d_t)
+        assert (m.devices, m.dp, m.fsdp, m.tp) == (d_t, dp, fsdp, 2) and m.dp * m.weight_shards == d_t
+        assert m.optimizer_shards == dp and m.zero_dp == (dp > 1)
+    none = simulator.Setup.of(_config("configs/qwen2_5_vl_7b_8dev.flags", "--optimizer_shard=none"), hardware.H800,
+                              None, None, None, None)
+    assert schedules.pool_mesh(none, 24).optimizer_shards == 1
 
 def test_simulate_cli_32b(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")

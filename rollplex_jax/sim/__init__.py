@@ -9,8 +9,8 @@ measure this CPU). Where each part lives (each module's docstring has its equati
 - ``costs``: what one program costs (FLOPs, elementwise / attention bytes, kernel launches,
   communication: ``Cost``, ``text_forward_cost``, ``vision_forward_cost``, ``backward_of``) and its time on a
   device (``time_of``), with the dense program model's constants measured against XLA;
-- ``phases``: the seconds of each phase (rollout, reference and actor, update, weight sync, host
-  input assembly) for one step's ``Setup`` on a pool of devices; the reference and actor phases from their
+- ``phases``: the seconds of each phase (rollout, reference and actor, the gradient sum over dp, update, weight
+  sync, host input assembly) for one step's ``Setup`` on a pool of devices; the reference and actor phases from their
   programs' costs (``training_costs``: per phase, ``Work`` = a cost per call and the calls), which
   tests/test_simulator.py checks against XLA's counts of the same programs;
 - ``schedules``: the phases on a timeline per schedule (serial, rollplex, overlap_only, sharing_only,

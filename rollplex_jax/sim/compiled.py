@@ -13,7 +13,9 @@ on the simulator's hardware: the FLOPs and bytes are the compiler's, the rates a
 achieved bandwidth, the per-kernel overhead, the link) stay the preset's assumptions. The compiled actor
 program computes the forward and the backward in one (``suffix_grads``, ``prefix_vjp``, ``grads_recompute``,
 ``vision_grads``), timed at the backward's mfu and split into the timeline's actor_fwd / actor_bwd in the
-model's proportion. Which schedule takes which compile: the Rollplex programs (the run's prefix sharing) feed
+model's proportion. Its collective bytes hold the gradient sums over dp (GSPMD reduces each gradient program's
+output over dp), so a compiled actor sets the modelled ``dp_allreduce`` phase to 0 (not counted twice). Which
+schedule takes which compile: the Rollplex programs (the run's prefix sharing) feed
 ``rollplex`` and ``sharing_only`` with prefix sharing, ``overlap_only`` without; the serial programs feed
 ``serial``. A schedule whose own programs were not compiled but whose family was (``disaggregated``: the serial
 programs on another pool and mesh; ``overlap_only``: the split programs with a prefix per answer) takes the
@@ -50,6 +52,7 @@ def compiled_phases(s: Setup, costs: dict[str, dict], model: dict[str, float]) -
         fwd, bwd = model.get("actor_fwd", 0.0), model.get("actor_bwd", 0.0)
         share = fwd / (fwd + bwd) if fwd + bwd > 0 else 0.0
         out["actor_fwd"], out["actor_bwd"] = t * share, t * (1 - share)
+        out["dp_allreduce"] = 0.0  # in the compiled gradient programs' collectives (module doc)
     if "update" in costs:  # memory-bound AdamW: its bytes at the achieved bandwidth
         out["update"] = seconds(s, costs["update"], hw.mfu_backward)
     return out

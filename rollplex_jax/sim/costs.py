@@ -21,7 +21,11 @@ measured ``bw_curve`` one rate for all the bytes of a call, ``Hardware.bytes_rat
   The actor's prefix with saved residuals also writes them (``planner.prefix_residual_bytes``).
 - ops: kernels per layer (forward 16, backward 2x), per vision block 16, x micro-batches.
 - comm (training): TP all-reduces 4 (tp-1)/tp x tokens x D x b per layer forward (x2 backward) over
-  NVLink; FSDP all-gather of the weights per forward and backward, reduce-scatter of gradients.
+  NVLink; FSDP all-gather of the weights per forward and backward, reduce-scatter of gradients. The gradient
+  sum over dp (``dp_allreduce_bytes``: params replicated over dp, the batch split over it) is a phase of its
+  own (``phases.dp_allreduce``), per optimizer step: a ring all-reduce moves 2 (dp-1)/dp x the device's
+  gradient shard (P_t / (fsdp tp) x b, P_t trainable params); with ZeRO-1 (``--optimizer_shard``) a
+  reduce-scatter of the gradients + an all-gather of the updated compute weights over dp, the same bytes.
 """
 
 from __future__ import annotations
@@ -165,6 +169,14 @@ def comm_bytes(cfg: Config, mesh: PlanMesh, tokens_dev: float, weights: float, p
         * x.num_hidden_layers
     fsdp_bytes = 0.0 if mesh.fsdp == 1 else weights * b / mesh.tp * (mesh.fsdp - 1) / mesh.fsdp
     return passes * (tp_bytes + fsdp_bytes)
+
+
+def dp_allreduce_bytes(cfg: Config, mesh: PlanMesh, trainable: float) -> float:
+    """Per device bytes of one gradient sum over dp (ring all-reduce, or ZeRO-1's reduce-scatter + all-gather):
+    2 (dp-1)/dp x the device's gradient shard, ``trainable`` / (fsdp x tp) params at the compute dtype; 0 at dp 1."""
+    if mesh.dp == 1:
+        return 0.0
+    return 2 * (mesh.dp - 1) / mesh.dp * trainable / mesh.weight_shards * DTYPE_BYTES[cfg.model.dtype]
 
 
 def n_tensors(cfg: Config) -> int:

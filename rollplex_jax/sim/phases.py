@@ -18,9 +18,22 @@ timeline. Costs of the programs come from ``costs``.
   forward over B G rows of Tr_max tokens attending Tp + Tr_max keys.
 - actor: serial = forward + backward over B G full rows; rollplex = prefix forward (+ vision) over B'
   rows (overlapped), then suffix forward + backward and the prefix backward (2 x its forward).
-- update: memory-bound: per trainable param on its shard 4 (fp32 master r/w if bf16) + 16 (two Adam
-  moments r/w) + 2b (grad read, param write) bytes / hbm; offload adds 3 x 4 x 2 bytes over the host
-  link (master + moments in and out); + ops per parameter tensor.
+- dp all-reduce (``dp_allreduce``; training mesh dp > 1): the gradients summed over dp once per optimizer step,
+  ``cfg.rl.mini_batches`` per RL step: t = mini_batches x 2 (dp-1)/dp x P_t / (fsdp tp) x b / link_bw
+  (``costs.dp_allreduce_bytes``; ZeRO-1 moves the same bytes as a reduce-scatter + all-gather). dp is the
+  mesh's outer axis (``parallel/mesh.py``): a dp group's members are fsdp x tp devices apart, so the group
+  stays in a node (NVLink, ``hw.intra_bw``) only if dp x fsdp x tp <= ``hw.devices_per_node``, else it
+  crosses the network (``hw.inter_bw``). Not overlapped with the backward: a conservative bound (XLA may
+  overlap the reduction with the backward's last layers). Today's programs reduce in every gradient
+  program call (each micro-batch's ``grad`` / ``suffix_grads`` returns dp-replicated gradients: XLA's HLO
+  at dp 2 has an all-reduce of every gradient per call), i.e. more often than this once per optimizer step
+  that Megatron-style accumulation does; the compiled costs (``--simulate --compile``) hold those
+  reductions in the actor's collective bytes, and replace this phase (``sim/compiled.py``).
+- update: memory-bound: per trainable param on its optimizer shard (P_t / (fsdp tp), / dp too with
+  ZeRO-1: ``PlanMesh.optimizer_shards``) 4 (fp32 master r/w if bf16) + 16 (two Adam moments r/w) + 2b
+  (grad read, param write) bytes / hbm; offload adds 3 x 4 x 2 bytes over the host link (master +
+  moments in and out); + ops per parameter tensor; once per optimizer step (``cfg.rl.mini_batches`` per
+  RL step, as ``step/rl_step._train`` updates).
 - weight sync: serial / disaggregated: the engine gets a full copy (P b / rollout_tp per device) each
   step, over NVLink (colocated: reshard) or the network (disaggregated: train pool -> rollout pool);
   rollplex: the engine reads aligned and view tensors in place (DLPack views of the actor's compute
@@ -65,6 +78,7 @@ from rollplex_jax.sim.costs import (
     Cost,
     backward_of,
     comm_bytes,
+    dp_allreduce_bytes,
     n_tensors,
     text_forward_cost,
     time_of,
@@ -233,16 +247,37 @@ def training(s: Setup, n_dev: int, sharing: bool, split: bool, tm: PlanMesh | No
             for phase, works in training_costs(s, n_dev, sharing, split, tm).items()}
 
 
-def update(s: Setup, n_dev: int) -> float:
-    """Seconds of the optimizer update with its state sharded over n_dev devices (module doc)."""
+@dataclasses.dataclass(frozen=True)
+class DpReduce:
+    """The gradient sum over dp of one step on a training mesh (module doc)."""
+
+    dp: int
+    bytes_per_device: float  # one reduction (ring: 2 (dp-1)/dp x the gradient shard)
+    per_step: int  # reductions per RL step: one per optimizer step (mini-batch)
+    link: str  # NVLink (the dp group fits a node) or network
+    seconds: float  # per RL step
+
+
+def dp_allreduce(s: Setup, tm: PlanMesh) -> DpReduce:
+    """Seconds of the gradient sums over dp of one step on training mesh ``tm`` (module doc)."""
+    hw, n = s.hw, s.cfg.rl.mini_batches
+    in_node = tm.dp * tm.weight_shards <= hw.devices_per_node  # dp outer: members fsdp x tp devices apart
+    nbytes = dp_allreduce_bytes(s.cfg, tm, s.counts.trainable)
+    return DpReduce(tm.dp, nbytes, n, "NVLink" if in_node else "network",
+                    n * nbytes / (hw.intra_bw if in_node else hw.inter_bw))
+
+
+def update(s: Setup, tm: PlanMesh) -> float:
+    """Seconds of the optimizer update on training mesh ``tm``: its state sharded over fsdp x tp, and over dp too
+    with ZeRO-1 (module doc)."""
     hw, dt, b = s.hw, s.dt, s.b
-    shard = s.counts.trainable / n_dev
+    shard = s.counts.trainable / (tm.weight_shards * tm.optimizer_shards)
     master = 8 if dt != "float32" else 0
     byts = shard * (master + 16 + 4 + 2 * b if dt == "float32" else master + 16 + 2 * b)
     t = byts / (hw.hbm_bw * 0.8) + hw.op_overhead_s * 6 * n_tensors(s.cfg)
     if s.cfg.memory.optimizer_policy == "offload":
         t += shard * (4 * 3 if dt != "float32" else 8) * 2 / hw.host_bw
-    return t
+    return s.cfg.rl.mini_batches * t
 
 
 def input_prep(s: Setup, rows: float) -> float:

@@ -1,9 +1,13 @@
 """The schedules: phases placed on lanes of one step's timeline, and ``simulate()``.
 
 Schedules:
-- serial: host + input assembly + sync + rollout + reference(full) + actor(full fwd+bwd) + update.
+- serial: host + input assembly + sync + rollout + reference(full) + actor(full fwd+bwd) + dp all-reduce +
+  update.
 - rollplex: host + sync(rebuilt buffers) + overlap(rollout, prefix) + ref suffix + actor suffix/prefix bwd +
-  update; ``overlap_only`` = no prefix sharing, ``sharing_only`` = no overlap (prefix after decode).
+  dp all-reduce + update; ``overlap_only`` = no prefix sharing, ``sharing_only`` = no overlap (prefix after
+  decode).
+- dp all-reduce (``phases.dp_allreduce``): the gradients summed over the training mesh's dp once per optimizer
+  step, after the backward and before the update, not overlapped with either (a conservative bound).
 - overlap (``overlap_stage``): the prefix programs run at (1 - decode_util) of their speed during the
   decode (they get the compute the decode leaves idle) and the decode is slowed by ``interference`` x
   the co-running time; what is left of the prefix after the decode runs at full speed. Critical-path
@@ -14,7 +18,11 @@ Schedules:
 - disaggregated: the paper's baseline, synchronous on-policy: rollout on ``split`` x D devices, training
   (reference + actor, full sequences, no prefix sharing) on the rest, weight transfer over the network
   each step, NOT pipelined (the pools idle alternately): step = host + rollout(D_r) + transfer +
-  reference(D_t) + actor(D_t) + update(D_t).
+  reference(D_t) + actor(D_t) + dp all-reduce(D_t) + update(D_t). The training pool keeps the run's dp
+  semantics: the run's tp, its fsdp (lowered to the largest divisor of D_t / tp that fits, when the pool is
+  smaller than one fsdp x tp group) and dp = D_t / (fsdp tp) over the rest, the params replicated over dp and
+  the optimizer state sharded over it with ``--optimizer_shard`` (as ``PlanMesh.of``'s mesh); its dp
+  all-reduce goes over the network when the pool's dp x fsdp x tp devices exceed a node.
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ from rollplex_jax.memory.planner import Lengths, PlanMesh, ProgramModel
 from rollplex_jax.sim.compiled import Applied
 from rollplex_jax.sim.hardware import Hardware
 from rollplex_jax.sim.phases import (
+    DpReduce,
     Setup,
     WeightSync,
+    dp_allreduce,
     input_prep,
     rollout,
     training,
@@ -38,7 +48,7 @@ from rollplex_jax.sim.phases import (
 
 SCHEDULES = ("serial", "rollplex", "overlap_only", "sharing_only", "disaggregated")
 PHASES = ("host", "input_prep", "weight_sync", "prefill", "decode", "vision", "ref_prefix", "actor_prefix", "reference",
-          "actor_fwd", "actor_bwd", "update")
+          "actor_fwd", "actor_bwd", "dp_allreduce", "update")
 PREFIX_PHASES = ("vision", "actor_prefix", "ref_prefix")
 
 
@@ -156,6 +166,7 @@ def build_schedule(name: str, phases: dict, overlap: bool, hw: Hardware, sync_be
     t = tl.add("reference", "reference", ph["reference"], t)
     t = tl.add("actor", "actor_fwd", ph["actor_fwd"], t)
     t = tl.add("actor", "actor_bwd", ph["actor_bwd"], t)
+    t = tl.add("update", "dp_allreduce", ph["dp_allreduce"], t)
     t = tl.add("update", "update", ph["update"], t)
     ph["engine_vision"] = t_roll_vis
     if "transfer" in phases:
@@ -163,10 +174,22 @@ def build_schedule(name: str, phases: dict, overlap: bool, hw: Hardware, sync_be
     return Schedule(name, ph, t, tl.spans)
 
 
+def pool_mesh(s: Setup, d_t: int) -> PlanMesh:
+    """The disaggregated training pool's mesh on ``d_t`` devices (module doc): the run's tp; its fsdp, or the largest
+    divisor of d_t / tp below it; dp over the rest, with ZeRO-1 over that dp as the run's ``--optimizer_shard``
+    says (``MeshConfig.zero_dp``'s rule)."""
+    m, n = s.mesh, d_t // s.mesh.tp
+    fsdp = max(f for f in range(1, min(m.fsdp, n) + 1) if n % f == 0)
+    dp = n // fsdp
+    return PlanMesh(d_t, fsdp, m.tp, m.rollout_tp, run_dp=dp,
+                    zero_dp=dp > 1 and s.cfg.mesh.optimizer_shard != "none")
+
+
 def _disaggregated(s: Setup, split: float, sync: WeightSync, applied: Applied
-                   ) -> tuple[Schedule, tuple[int, int], list[str]]:
-    """The disaggregated baseline: (schedule, (rollout pool, training pool) devices, notes); ``applied``: the
-    compiled costs (its phases scaled by the serial compile's ratios where there is one)."""
+                   ) -> tuple[Schedule, tuple[int, int], PlanMesh, DpReduce, list[str]]:
+    """The disaggregated baseline: (schedule, (rollout pool, training pool) devices, the training pool's mesh, its
+    dp all-reduce, notes); ``applied``: the compiled costs (its phases scaled by the serial compile's ratios where
+    there is one)."""
     mesh, hw, D, notes = s.mesh, s.hw, s.mesh.devices, []
     d_r = max(mesh.rollout_tp, int(round(D * split / mesh.rollout_tp)) * mesh.rollout_tp)
     d_t = D - d_r
@@ -175,21 +198,42 @@ def _disaggregated(s: Setup, split: float, sync: WeightSync, applied: Applied
         notes.append(f"disaggregated: {D} devices cannot be split; modelled with {d_r} + {d_t} devices")
     if d_t % mesh.tp:
         raise ValueError(f"disaggregated: training pool of {d_t} devices is not a multiple of train_tp={mesh.tp}")
-    if d_t % mesh.weight_shards:  # fewer devices than one fsdp x tp group: shrink fsdp to fit the pool
-        notes.append(f"disaggregated: training pool of {d_t} devices runs fsdp {d_t // mesh.tp} x tp {mesh.tp}")
-    train_mesh = PlanMesh(d_t, max(1, min(mesh.fsdp, d_t // mesh.tp)), mesh.tp, mesh.rollout_tp)
+    train_mesh = pool_mesh(s, d_t)
+    dp = dp_allreduce(s, train_mesh)
     r_pf, r_vis, r_dec = rollout(s, d_r)
-    train = applied.times("disaggregated", {"update": update(s, d_t), **training(s, d_t, False, False, train_mesh)},
-                          d_t, False, False)
+    model = {"update": update(s, train_mesh), "dp_allreduce": dp.seconds,
+             **training(s, d_t, False, False, train_mesh)}
+    train = applied.times("disaggregated", model, d_t, False, False)
     sched = build_schedule("disaggregated", {
         "host": hw.host_step_s, "input_prep": input_prep(s, s.rows), "prefill": r_pf, "engine_vision": r_vis,
         "decode": r_dec, "transfer": sync.transfer_s, **train}, False, hw)
-    sched.notes = f"rollout pool {d_r} devices, training pool {d_t}; synchronous, not pipelined"
-    return sched, (d_r, d_t), notes
+    sched.notes = (f"rollout pool {d_r} devices, training pool {d_t} (dp {train_mesh.dp} x fsdp {train_mesh.fsdp} x "
+                   f"tp {train_mesh.tp}); synchronous, not pipelined")
+    return sched, (d_r, d_t), train_mesh, dp, notes
 
 
-def _assumptions(s: Setup, sync: WeightSync, pools: tuple[int, int], notes: list[str]) -> list[str]:
+def _dp_line(mesh: PlanMesh, dp: DpReduce, hw: Hardware, what: str) -> str:
+    """The assumption line of a training mesh's gradient sum over dp."""
+    if mesh.dp == 1:
+        return f"{what}: dp 1, no gradient sum over dp"
+    bw = hw.intra_bw if dp.link == "NVLink" else hw.inter_bw
+    zero = ("ZeRO-1: a reduce-scatter of the gradients + an all-gather of the updated compute weights, the same "
+            "bytes" if mesh.optimizer_shards > 1 else "a ring all-reduce")
+    span = mesh.dp * mesh.weight_shards
+    return (f"{what}: gradients summed over dp {mesh.dp} once per optimizer step (x{dp.per_step} per RL step: "
+            f"--mini_batches), {zero}: 2 (dp-1)/dp x the gradient shard (trainable params / (fsdp {mesh.fsdp} x tp "
+            f"{mesh.tp})) = {dp.bytes_per_device / 1e9:.3g} GB per device over {dp.link} ({bw / 1e9:.0f} GB/s; dp x "
+            f"fsdp x tp = {span} devices {'<=' if dp.link == 'NVLink' else '>'} {hw.devices_per_node} per node): "
+            f"{dp.seconds:.3g} s per step, not overlapped with the backward (a conservative bound; XLA may overlap "
+            "it)")
+
+
+def _assumptions(s: Setup, sync: WeightSync, pools: tuple[int, int], dps: tuple[DpReduce, PlanMesh, DpReduce],
+                 notes: list[str]) -> list[str]:
+    """The lines the report prints under the table; ``dps``: the run's dp all-reduce, the disaggregated training
+    pool's mesh and its dp all-reduce."""
     hw, dt, mesh, lengths = s.hw, s.dt, s.mesh, s.lengths
+    dp, pool, pool_dp = dps
     Tp, Tv, Tr = lengths.prompt_tokens, lengths.vision_tokens, lengths.response_tokens
     return [
         f"hardware {hw.name}: {hw.source}",
@@ -203,8 +247,10 @@ def _assumptions(s: Setup, sync: WeightSync, pools: tuple[int, int], notes: list
         f"{Tr}: decode steps = max (the batch runs until its longest answer), KV reads and FLOPs = mean; "
         "scoring/training pad to max",
         s.pm.describe(),
-        f"devices {mesh.devices}: training fsdp {mesh.fsdp} x tp {mesh.tp}, rollout tp {mesh.rollout_tp} "
-        f"({mesh.devices // mesh.rollout_tp} replicas)",
+        f"devices {mesh.devices}: training dp {mesh.dp} x fsdp {mesh.fsdp} x tp {mesh.tp} (params over fsdp x tp, "
+        f"replicated over dp; optimizer state over {mesh.optimizer_shards * mesh.weight_shards} devices), rollout tp "
+        f"{mesh.rollout_tp} ({mesh.devices // mesh.rollout_tp} replicas)",
+        _dp_line(mesh, dp, hw, "dp all-reduce"),
         f"weight sync per step: serial/disaggregated a full engine copy ({sync.full_copy_bytes / 1e9:.2f} GB per "
         f"device; NVLink colocated, network disaggregated); rollplex refills only the engine-owned (rebuilt) "
         f"buffers of the per-tensor classification ({sync.layout} layout: {sync.rebuilt_bytes / 1e9:.2f} GB per "
@@ -213,7 +259,9 @@ def _assumptions(s: Setup, sync: WeightSync, pools: tuple[int, int], notes: list
         + ("after the update on a side thread, beside the next step's host work (one process: "
            "WeightPublisher.refill)" if sync.after_update else "inside the bind before the rollout (several processes: "
            "the engine reads an all-gathered copy, a collective that is not moved off the critical path)"),
-        f"disaggregated: {pools[0]} rollout + {pools[1]} training devices, synchronous on-policy, not pipelined",
+        f"disaggregated: {pools[0]} rollout + {pools[1]} training devices (training dp {pool.dp} x fsdp {pool.fsdp} "
+        f"x tp {pool.tp}), synchronous on-policy, not pipelined",
+        _dp_line(pool, pool_dp, hw, "disaggregated dp all-reduce"),
         f"host work {hw.host_step_s} s per step" + (f"; input assembly on the critical path at "
                                                      f"{hw.host_copy_bw / 1e9:.2g} GB/s (patch bytes of the rows "
                                                      "scored: B x G serial, B' rollplex)" if hw.host_copy_bw
@@ -245,11 +293,14 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
     D, B = s.mesh.devices, cfg.rl.batch_prompts
     sync = weight_sync(s)
     t_pf, t_vis, t_dec = rollout(s, D)
-    base = {"host": hw.host_step_s, "prefill": t_pf, "engine_vision": t_vis, "decode": t_dec, "update": update(s, D)}
+    dp = dp_allreduce(s, s.mesh)
+    base = {"host": hw.host_step_s, "prefill": t_pf, "engine_vision": t_vis, "decode": t_dec,
+            "update": update(s, s.mesh), "dp_allreduce": dp.seconds}
     applied = Applied(s, compiled)
 
     def train(name: str, sharing: bool, split: bool) -> dict:
-        return applied.times(name, {"update": base["update"], **training(s, D, sharing, split)}, D, sharing, split)
+        model = {"update": base["update"], "dp_allreduce": dp.seconds, **training(s, D, sharing, split)}
+        return applied.times(name, model, D, sharing, split)
 
     scheds = {"serial": build_schedule("serial", {**base, "input_prep": input_prep(s, s.rows),
                                                   "weight_sync": sync.serial_s, **train("serial", False, False)},
@@ -259,9 +310,10 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
         scheds[name] = build_schedule(name, {**base, "input_prep": input_prep(s, B if sharing else s.rows),
                                              "weight_sync": sync.rollplex_s, **train(name, sharing, True)},
                                       overlap, hw, sync_beside_host=sync.after_update)
-    scheds["disaggregated"], pools, notes = _disaggregated(s, disagg_split, sync, applied)
+    scheds["disaggregated"], pools, pool, pool_dp, notes = _disaggregated(s, disagg_split, sync, applied)
     details = {"rollout_rows_per_replica": math.ceil(s.rows / max(1, D // s.mesh.rollout_tp)),
                "params": s.counts.total, "disagg_pools": list(pools),
+               "dp_allreduce": {"run": dataclasses.asdict(dp), "disaggregated": dataclasses.asdict(pool_dp)},
                "weight_sync": {"layout": sync.layout, "rebuilt_bytes_per_device": int(sync.rebuilt_bytes),
                                "remote_bytes_per_device": int(sync.remote_bytes), "remote_link": sync.link}}
     if compiled:
@@ -272,5 +324,5 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
                      + "; compiled = timed on the compiled programs' FLOPs, bytes, kernels and collectives, scaled = "
                      "the model's seconds x the compiled / model ratio of the same phase of the family's compiled "
                      "schedule (sim/compiled.py); every other phase from the cost model")
-    return Simulation(scheds, hw, s.lengths, D, s.response_mean, s.pm, _assumptions(s, sync, pools, notes), details,
-                      applied.sources)
+    return Simulation(scheds, hw, s.lengths, D, s.response_mean, s.pm,
+                      _assumptions(s, sync, pools, (dp, pool, pool_dp), notes), details, applied.sources)
