@@ -21,6 +21,14 @@ def define_distributed_flags() -> None:
                         "(with --num_processes and --process_id; under SLURM `srun` all three are auto-detected)")
     flags.DEFINE_integer("num_processes", None, "number of processes of this jax.distributed job")
     flags.DEFINE_integer("process_id", None, "this process's index in the job, 0 .. num_processes - 1")
+    flags.DEFINE_float("heartbeat_timeout_s", 60.0, "multi-process: a process whose heartbeat (every few s, through "
+                       "jax.distributed's key-value store) is absent this long is lost; every other process then exits "
+                       "(code 75) with an error naming it instead of waiting in a collective; 0 = off "
+                       "(rollplex_jax/parallel/liveness.py; jax.distributed's own heartbeat: 3x this)",
+                       lower_bound=0)
+    flags.DEFINE_float("step_timeout_s", 3600.0, "multi-process: a step not finished this long after the previous one "
+                       "(the first: after the start, compilation included) ends every process (code 75) with where "
+                       "it hangs; 0 = off", lower_bound=0)
 
 
 def start_distributed(fv) -> tuple[int, int]:
@@ -32,7 +40,23 @@ def start_distributed(fv) -> tuple[int, int]:
         spec = distributed.detect(fv.coordinator_address, fv.num_processes, fv.process_id)
     except distributed.DistributedError as e:
         raise app.UsageError(str(e)) from None
-    return distributed.initialize(spec)
+    beat = fv.heartbeat_timeout_s
+    return distributed.initialize(spec, heartbeat_timeout_s=int(max(3 * beat, 30)) if beat else 100)
+
+
+def start_liveness(fv, cfg, index: int, count: int):
+    """The lost-process check of a multi-process run (``parallel.liveness``; None for one process)."""
+    from rollplex_jax.parallel.liveness import Liveness
+
+    directory = os.path.abspath(os.path.join(cfg.run.workdir, "checkpoints"))
+
+    def last_checkpoint() -> str:
+        steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
+        return f"The last checkpoint is step {steps[-1]} in {directory}" if steps else \
+            f"No checkpoint in {directory} yet (--checkpoint_every)"
+
+    return Liveness.start(index, count, heartbeat_s=fv.heartbeat_timeout_s, step_timeout_s=fv.step_timeout_s,
+                          checkpoint=last_checkpoint)
 
 
 def _report_failure(e: BaseException) -> None:
@@ -63,8 +87,9 @@ def main(argv):
     from rollplex_jax.parallel.distributed import colocate_with_torch
 
     colocate_with_torch()
-    start_distributed(flags.FLAGS)
+    index, count = start_distributed(flags.FLAGS)
     cfg = launch_flags.config_from_flags(flags.FLAGS)
+    live = start_liveness(flags.FLAGS, cfg, index, count)
     logging.set_verbosity(logging.WARNING)  # orbax/absl INFO lines would drown the progress bar
     from rollplex_jax.config import ConfigError
     from rollplex_jax.data.dataset import DataError
@@ -85,7 +110,8 @@ def main(argv):
     signal.signal(signal.SIGTERM, lambda signum, frame: runner.request_stop())
     try:
         for _ in runner.run():
-            pass
+            if live is not None:
+                live.progress(runner.step)
         if runner.stop_requested:
             record = runner.preempt()
             print(f"SIGTERM: stopped after step {record['steps_done']}, checkpoint saved; rerun with --resume",
@@ -102,10 +128,14 @@ def main(argv):
         # for as long as it hangs. Report, checkpoint the last finished step, close the outputs, and leave without
         # waiting (as below).
         _report_failure(e)
+        if live is not None:  # a collective that lost its peer: let the heartbeats name it (exits 75 if so)
+            live.await_verdict(e)
         _close_after_failure(runner)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    if live is not None:
+        live.finish()
     sys.stdout.flush()
     sys.stderr.flush()
     # Outputs are written and closed. A user reward function that hung past its timeout still holds a

@@ -112,3 +112,21 @@ def varied_parts(reward_inputs):
     parts, so that a multi-process run gathers parts and their names (tests/test_multiprocess.py)."""
     return [{"overall": float(len(x["response"]) % 2), "parity": float(len(x["response"]) % 2),
              "tokens": float(x["response_length"])} for x in reward_inputs]
+
+
+_batches = __import__("itertools").count()
+
+
+def varied_parts_stalling(reward_inputs):
+    """``varied_parts``, except that in a process whose environment has ROLLPLEX_TEST_STALL_MARK=<path> its second
+    batch (the second step's rewards) writes <path> and then waits for good: the process is mid-step, its peers in
+    the gather of the scores, when tests/test_multiprocess.py SIGKILLs it."""
+    import os
+    import time
+
+    mark = os.environ.get("ROLLPLEX_TEST_STALL_MARK")
+    if next(_batches) == 1 and mark:
+        with open(mark, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(3600)
+    return varied_parts(reward_inputs)

@@ -4,7 +4,9 @@ Both runs train on the same mesh through ``python -m launch.main``: fsdp 2 x tp 
 issue 32: each process's two devices hold one copy of the weights, dp spans the processes); in the two-process
 run each process decodes half of the prompts with its own engine (answers seeded by their global prompt
 index), the rollouts and rewards are gathered, metrics and the summary are written once (process 0),
-checkpoints collectively. Stated tolerance: the same params_sha256 (bit-identical params) and the same
+checkpoints collectively; and a process SIGKILLed mid-step ends the other in bounded time, after which ``--resume``
+continues exactly (issue 32: ``rollplex_jax/parallel/liveness.py``).
+Stated tolerance: the same params_sha256 (bit-identical params) and the same
 metrics within rtol 1e-6 (the programs and their partitioning are the same; only the collectives'
 transport differs). On dp 2 x fsdp 2 the gradients are summed over 4 devices (dp and fsdp), which gloo and the
 in-process CPU collectives add in another order: the params differ by rounding (measured 6e-7 at most after 2
@@ -16,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -53,6 +57,15 @@ def _metrics(workdir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def _launch(cmd: list[str], workdir, env=({}, {}), stdout=subprocess.PIPE) -> list[subprocess.Popen]:
+    """Both processes of a two-process job (``env``: extra variables per process)."""
+    port = _free_port()
+    return [subprocess.Popen([*cmd, f"--workdir={workdir}", f"--coordinator_address=127.0.0.1:{port}",
+                              "--num_processes=2", f"--process_id={i}"], cwd=REPO, env={**_env(2), **env[i]},
+                             stdout=stdout, stderr=subprocess.PIPE if stdout == subprocess.PIPE else stdout, text=True)
+            for i in range(2)]
+
+
 MESHES = [("--train_fsdp=2", "--train_tp=2"), ("--train_dp=2", "--train_fsdp=2", "--eps=1e-6")]
 
 
@@ -61,10 +74,7 @@ def runs(tmp_path_factory, request):
     one = tmp_path_factory.mktemp("one_process")
     two = tmp_path_factory.mktemp("two_processes")
     cmd = [sys.executable, "-m", "launch.main", *FLAGS, *request.param]
-    port = _free_port()
-    procs = [subprocess.Popen([*cmd, f"--workdir={two}", f"--coordinator_address=127.0.0.1:{port}",
-                               "--num_processes=2", f"--process_id={i}"], cwd=REPO, env=_env(2),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = _launch(cmd, two)
     try:
         single = subprocess.run([*cmd, f"--workdir={one}"], cwd=REPO, env=_env(4), capture_output=True, text=True,
                                 timeout=600)
@@ -129,3 +139,55 @@ def test_outputs_written_once_and_checkpoints_collectively(runs):
     # memory measured per process on its busiest device, beside the planner's per-device figure (defaults)
     mem = summary["memory"]
     assert mem["devices"] == 4 and mem["measured_peak_bytes"]["train"] > 0 and mem["planned_vs_measured"]
+
+
+# The kill test: process 1 stalls in its second step's reward (tests.reward_fns:varied_parts_stalling, the same
+# rewards otherwise; --reward_timeout_s above the stall's wait so it stays mid-step), and is SIGKILLed there once
+# checkpoint 1 is committed; process 0 waits in the gather of the scores. Expected: process 0 leaves with code 75
+# about HEARTBEAT_S + 2 beats (1 s each) after the kill; the bound allows a loaded 2-core box and stays below
+# jax.distributed's own abort (3 x HEARTBEAT_S, at least 30 s: exit -6), which the exit code tells apart.
+HEARTBEAT_S = 5
+KILL_FLAGS = ["--reward=tests.reward_fns:varied_parts_stalling", "--reward_timeout_s=3600",
+              f"--heartbeat_timeout_s={HEARTBEAT_S}"]
+
+
+def _kill_mid_step(cmd: list[str], tmp_path) -> tuple[int, str, float]:
+    """Runs the job until process 1 stalls mid-step 2 with checkpoint 1 committed, SIGKILLs it; (process 0's exit
+    code, its stderr, seconds from the kill to its exit)."""
+    mark, work, log = tmp_path / "stalled", tmp_path / "run", tmp_path / "process0.log"
+    with open(log, "w") as out:
+        procs = _launch(cmd, work, env=({}, {"ROLLPLEX_TEST_STALL_MARK": str(mark)}), stdout=out)
+        try:
+            deadline = time.monotonic() + 600
+            while not (mark.exists() and (work / "checkpoints" / "1").is_dir()):
+                assert procs[0].poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.1)
+            procs[1].send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            procs[0].wait(timeout=120)
+            waited = time.monotonic() - killed
+        finally:
+            for p in procs:
+                p.kill()
+    return procs[0].returncode, log.read_text(), waited
+
+
+def test_a_killed_process_ends_the_other_and_resume_continues_exactly(runs, tmp_path):
+    """Issue 32 item 7, on the dp mesh (dp spans the two processes)."""
+    _, _, _, multi, mesh = runs
+    if "--train_dp=2" not in mesh:
+        pytest.skip("run once, on the dp 2 x fsdp 2 mesh")
+    cmd = [sys.executable, "-m", "launch.main", *FLAGS, *mesh, *KILL_FLAGS]
+    code, err, waited = _kill_mid_step(cmd, tmp_path)
+    assert code == 75, err[-3000:]
+    assert "process 1 (" in err and "stopped beating for over 5 s" in err and "during step 2" in err, err[-3000:]
+    assert "The last checkpoint is step 1" in err and "--resume" in err
+    assert waited < 25, waited
+    procs = _launch([*cmd, "--resume"], tmp_path / "run")
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, e) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, e[-3000:]
+    assert "resume: continuing from the checkpoint of step 1" in outs[0][1]
+    resumed = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert resumed["steps_done"] == 2 and resumed["params_sha256"] == multi[0]["params_sha256"]
+    assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2]

@@ -192,11 +192,13 @@ def detect(coordinator_address: str | None = None, num_processes: int | None = N
 _initialized: DistributedSpec | None = None
 
 
-def initialize(spec: DistributedSpec | None, timeout_s: int = 300) -> tuple[int, int]:
+def initialize(spec: DistributedSpec | None, timeout_s: int = 300, heartbeat_timeout_s: int = 100) -> tuple[int, int]:
     """Starts jax.distributed for `spec` (no-op for None) and returns (jax.process_index(), jax.process_count()).
 
     Idempotent: a second call with the same spec returns the same; a different spec raises. Must run before any
-    JAX computation. `timeout_s` bounds the wait for all processes to connect.
+    JAX computation. `timeout_s` bounds the wait for all processes to connect; `heartbeat_timeout_s` is JAX's
+    own: a process silent that long aborts the job (``launch.main`` sets it to 3x ``--heartbeat_timeout_s``, so
+    that ``parallel.liveness`` answers first with an error naming the lost process).
     """
     global _initialized
     import jax
@@ -218,7 +220,8 @@ def initialize(spec: DistributedSpec | None, timeout_s: int = 300) -> tuple[int,
         kwargs["local_device_ids"] = list(range(spec.local_device_count))
     jax.distributed.initialize(coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
                                process_id=spec.process_id, cluster_detection_method="deactivate",
-                               initialization_timeout=timeout_s, **kwargs)
+                               initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s,
+                               **kwargs)
     _initialized = spec
     index, count = jax.process_index(), jax.process_count()
     if (index, count) != (spec.process_id, spec.num_processes):
