@@ -186,7 +186,7 @@ _CHOICES = {
     ("rl", "loss_agg"): C.LOSS_AGGS, ("rl", "kl_mode"): C.KL_MODES, ("rl", "kl_estimator"): C.KL_ESTIMATORS,
     ("rl", "reward_failure"): C.REWARD_FAILURES, ("optim", "lr_schedule"): C.LR_SCHEDULES,
     ("data", "synthetic_task"): C.SYNTHETIC_TASKS, ("memory", "optimizer_policy"): C.OPTIMIZER_POLICIES,
-    ("programs", "attention"): C.ATTENTIONS, ("programs", "remat"): C.REMATS,
+    ("programs", "attention"): C.ATTENTIONS, ("programs", "remat"): C.REMATS, ("mesh", "dp_placement"): C.DP_PLACEMENTS,
 }
 _HELP = {
     "dataset": "Training prompts: a .jsonl, .json (PATH@KEY for an array inside an object) or .parquet file, or a "
@@ -341,6 +341,9 @@ _HELP = {
                        "over dp as well (ZeRO-1: each data-parallel group's copy of the state split dp ways; the "
                        "update computes its part and the new weights are all-gathered over dp), none keeps a whole "
                        "copy per group.",
+    "dp_placement": "With --train_dp > 1, where the data-parallel groups lie: across (default: a group's members are "
+                    "fsdp x tp devices apart, so dp spans the processes / nodes and fsdp, tp stay within one, HSDP) "
+                    "or within (a group is consecutive devices: dp within a node, fsdp x tp across nodes).",
     "train_fsdp": "Training mesh: FSDP degree (actor and reference).",
     "train_tp": "Training mesh: tensor-parallel degree (actor and reference).",
     "rollout_tp": "Rollout engine tensor-parallel degree.",

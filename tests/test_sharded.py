@@ -43,14 +43,16 @@ FLAGS = dict(steps=STEPS, batch_prompts=4, group_size=4, micro_batch=4, mini_bat
              reward="launch.bench_reward:varied_reward", checkpoint_every=0, lr=LR, eps=1e-6, log=lambda m: None)
 
 
-def _runner(tmp_path_factory, schedule: str, fsdp: int, tp: int, temperature: float = 1.0, dp: int = 1):
+def _runner(tmp_path_factory, schedule: str, fsdp: int, tp: int, temperature: float = 1.0, dp: int = 1,
+            placement: str = "across"):
     wd = tmp_path_factory.mktemp(f"{schedule}_{dp}x{fsdp}x{tp}_t{temperature}")
     return runner_from_flagfile("configs/tiny_cpu.flags", workdir=str(wd), train_dp=dp, train_fsdp=fsdp, train_tp=tp,
-                                schedule=schedule, temperature=temperature, **FLAGS)
+                                schedule=schedule, temperature=temperature, dp_placement=placement, **FLAGS)
 
 
-def _run(tmp_path_factory, schedule: str, fsdp: int, tp: int, temperature: float = 1.0, dp: int = 1):
-    r = _runner(tmp_path_factory, schedule, fsdp, tp, temperature, dp)
+def _run(tmp_path_factory, schedule: str, fsdp: int, tp: int, temperature: float = 1.0, dp: int = 1,
+         placement: str = "across"):
+    r = _runner(tmp_path_factory, schedule, fsdp, tp, temperature, dp, placement)
     metrics = list(r.run())
     # compared in the checkpoint's layout: the actor's rows are grouped per training TP rank (fused.py)
     params = to_hf({k: np.asarray(v) for k, v in r.state.params.items()}, r.cfg.model)
@@ -83,14 +85,26 @@ def test_sharded_run_equals_single_device(single, tmp_path_factory, schedule, fs
     _check_mesh_run(single, tmp_path_factory, schedule, 1, fsdp, tp, temperature)
 
 
-# HSDP (issue 32): weights over fsdp x tp, replicated over dp, the batch over dp x fsdp, gradients summed over dp
-@pytest.mark.parametrize("schedule,dp,fsdp,tp", [("serial", 2, 2, 1), ("rollplex", 2, 1, 2)])
-def test_data_parallel_run_equals_single_device(single, tmp_path_factory, schedule, dp, fsdp, tp):
-    _check_mesh_run(single, tmp_path_factory, schedule, dp, fsdp, tp, 1.0)
+# HSDP (issue 32): weights over fsdp x tp, replicated over dp, the batch over dp x fsdp, gradients summed over dp;
+# --dp_placement=within puts a dp group on consecutive devices (the other placement, same results)
+@pytest.mark.parametrize("schedule,dp,fsdp,tp,placement", [("serial", 2, 2, 1, "across"),
+                                                           ("rollplex", 2, 1, 2, "across"),
+                                                           ("rollplex", 2, 1, 2, "within")])
+def test_data_parallel_run_equals_single_device(single, tmp_path_factory, schedule, dp, fsdp, tp, placement):
+    _check_mesh_run(single, tmp_path_factory, schedule, dp, fsdp, tp, 1.0, placement)
 
 
-def _check_mesh_run(single, tmp_path_factory, schedule, dp, fsdp, tp, temperature):
-    metrics, params, shardings, report, summary = _run(tmp_path_factory, schedule, fsdp, tp, temperature, dp)
+def test_dp_placement_puts_a_dp_group_apart_or_together():
+    across = mesh_lib.train_mesh(MeshConfig(train_dp=2, train_fsdp=1, train_tp=2))
+    within = mesh_lib.train_mesh(MeshConfig(train_dp=2, train_fsdp=1, train_tp=2, dp_placement="within"))
+    ids = lambda m: [d.id for d in m.devices[:, 0, 0]]  # noqa: E731 -- a dp group: tp rank 0 of each replica
+    assert ids(across) == [0, 2] and ids(within) == [0, 1]
+    assert [d.id for d in within.devices[0, 0, :]] == [0, 2]  # a tp group: every other device
+
+
+def _check_mesh_run(single, tmp_path_factory, schedule, dp, fsdp, tp, temperature, placement="across"):
+    metrics, params, shardings, report, summary = _run(tmp_path_factory, schedule, fsdp, tp, temperature, dp,
+                                                       placement)
     ref_metrics, ref_params, _, ref_report, _ = single(schedule, temperature)
     assert len(metrics) == len(ref_metrics) == STEPS
     for step, (m, r) in enumerate(zip(metrics, ref_metrics, strict=True)):
@@ -106,7 +120,7 @@ def _check_mesh_run(single, tmp_path_factory, schedule, dp, fsdp, tp, temperatur
     assert len(sharded) > len(shardings) // 2
     axes = {a for s, _, _ in shardings.values() for e in s.spec for a in (e if isinstance(e, tuple) else (e,))}
     assert "dp" not in axes  # weights replicated over dp
-    mesh = mesh_lib.train_mesh(MeshConfig(train_dp=dp, train_fsdp=fsdp, train_tp=tp))
+    mesh = mesh_lib.train_mesh(MeshConfig(train_dp=dp, train_fsdp=fsdp, train_tp=tp, dp_placement=placement))
     model = next(iter(shardings.values()))[2]
     assert model.text.fuse_groups == tp  # the engine's layout for this training TP (fused.param_layout)
     configured = mesh_lib.param_shardings(model, mesh)
@@ -128,12 +142,12 @@ def _check_mesh_run(single, tmp_path_factory, schedule, dp, fsdp, tp, temperatur
             assert 0.85 <= row["planned_over_measured"] <= 1.15, (phase, row)
 
 
-@pytest.mark.parametrize("fsdp,tp,temperature", [(2, 2, 1.0), (1, 4, 0.7)])
-def test_sharded_gradient_equals_single_device(tmp_path_factory, fsdp, tp, temperature):
+@pytest.mark.parametrize("dp,fsdp,tp,temperature", [(1, 2, 2, 1.0), (1, 1, 4, 0.7), (2, 2, 1, 1.0), (2, 1, 2, 1.0)])
+def test_sharded_gradient_equals_single_device(tmp_path_factory, dp, fsdp, tp, temperature):
     """The gradient of one micro-batch of real rollouts at theta_0, before Adam: within 1e-5 of each tensor's
-    largest entry on the mesh and on one device (at --temperature=0.7 too)."""
+    largest entry on the mesh and on one device (at --temperature=0.7 too; on dp meshes the sum over dp too)."""
     one = _runner(tmp_path_factory, "serial", 1, 1, temperature)
-    many = _runner(tmp_path_factory, "serial", fsdp, tp, temperature)
+    many = _runner(tmp_path_factory, "serial", fsdp, tp, temperature, dp)
     prompts = collate(one.train_set[:2], 0)
     ro = rl_step.sample(one.ctx, one.state.params, prompts, rl_step.Draw(n=4, seed=3))
     b, g, tr = ro.response_ids.shape
@@ -148,7 +162,7 @@ def test_sharded_gradient_equals_single_device(tmp_path_factory, fsdp, tp, tempe
         grads.append(to_hf({k: np.asarray(v) for k, v in gr.items()}, r.cfg.model))  # one layout for both
         r.close()
     worst = assert_same_gradients(grads[1], grads[0])
-    print(f"fsdp {fsdp} x tp {tp}: worst gradient difference {worst:.3g} of the largest entry")
+    print(f"dp {dp} x fsdp {fsdp} x tp {tp}: worst gradient difference {worst:.3g} of the largest entry")
 
 
 def test_startup_check_names_a_mis_sharded_parameter():

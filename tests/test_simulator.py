@@ -162,6 +162,12 @@ def test_dp_allreduce_link_follows_the_node():
     assert sim.details["disagg_pools"] == [16, 16] and sim.details["dp_allreduce"]["disaggregated"]["dp"] == 2
     assert sim.schedules["disaggregated"].phases["dp_allreduce"] == pytest.approx(_dp_by_hand(big, 2, 8, inter),
                                                                                   rel=1e-12)
+    # --dp_placement=within: a dp group is 4 consecutive devices, in a node: NVLink
+    near = _config("configs/qwen2_5_vl_32b_h800x32.flags", "--dp_placement=within")
+    sim = simulator.simulate(near, hardware.H800)
+    assert sim.details["dp_allreduce"]["run"]["link"] == "NVLink"
+    assert sim.schedules["serial"].phases["dp_allreduce"] == pytest.approx(
+        _dp_by_hand(near, 4, 8, hardware.H800.intra_bw), rel=1e-12)
 
 
 def test_disaggregated_pool_mesh_keeps_dp_semantics():

@@ -7,6 +7,7 @@
 Both are re-exported here: ``from rollplex_jax.config import Config, ModelConfig``.
 """
 
+from rollplex_jax.config.meshes import DP_PLACEMENTS
 from rollplex_jax.config.model import (
     DTYPES,
     INTERNAL_DTYPES,
@@ -47,7 +48,8 @@ from rollplex_jax.config.tree import (
 
 __all__ = [
     "ACTOR_PREFIX", "ADVANTAGES", "ATTENTIONS", "CPU_BLOCK_BYTES", "CheckpointConfig", "Config", "ConfigError",
-    "DTYPES", "DataConfig", "ENGINES", "INTERNAL_DTYPES", "KL_ESTIMATORS", "KL_MODES", "LOSS_AGGS", "LR_SCHEDULES",
+    "DP_PLACEMENTS", "DTYPES", "DataConfig", "ENGINES", "INTERNAL_DTYPES", "KL_ESTIMATORS", "KL_MODES", "LOSS_AGGS",
+    "LR_SCHEDULES",
     "MemoryConfig", "MeshConfig", "ModelConfig", "OPTIMIZER_POLICIES", "OptimConfig", "ProgramConfig", "REMATS",
     "REWARD_FAILURES", "RlConfig", "RolloutConfig", "RunConfig", "SCHEDULES", "SYNTHETIC_TASKS", "TextConfig",
     "VisionConfig", "default_compilation_cache_dir", "parse_bytes", "tiny_model_config",

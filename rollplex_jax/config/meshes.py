@@ -7,6 +7,7 @@ import dataclasses
 from rollplex_jax.config.model import _require
 
 OPTIMIZER_SHARDS = ("auto", "dp", "none")
+DP_PLACEMENTS = ("across", "within")  # dp outermost (spans processes / nodes) or innermost (within a node)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -22,12 +23,16 @@ class MeshConfig:
     train_tp: int = 1
     rollout_tp: int = 1
     optimizer_shard: str = "auto"  # dp: master weights and moments sharded over dp too (ZeRO-1); auto: dp if > 1
+    dp_placement: str = "across"  # across: a dp group's members are fsdp x tp devices apart (dp spans processes /
+    # nodes, fsdp and tp within one: HSDP); within: they are consecutive devices (fsdp x tp spans the processes)
 
     def __post_init__(self):
         for name in ("train_dp", "train_fsdp", "train_tp", "rollout_tp"):
             _require(getattr(self, name) >= 1, f"mesh.{name}", getattr(self, name), "must be >= 1")
         _require(self.optimizer_shard in OPTIMIZER_SHARDS, "mesh.optimizer_shard", self.optimizer_shard,
                  f"one of {', '.join(OPTIMIZER_SHARDS)}")
+        _require(self.dp_placement in DP_PLACEMENTS, "mesh.dp_placement", self.dp_placement,
+                 f"one of {', '.join(DP_PLACEMENTS)}")
 
     @property
     def zero_dp(self) -> bool:

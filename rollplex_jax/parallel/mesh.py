@@ -60,14 +60,20 @@ def describe(m: MeshConfig) -> str:
 
 
 def train_mesh(m: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The ``(dp, fsdp, tp)`` training mesh over the first dp x fsdp x tp devices (all processes' devices; a dp
-    group is fsdp x tp consecutive devices)."""
+    """The ``(dp, fsdp, tp)`` training mesh over the first dp x fsdp x tp devices (all processes' devices, each
+    process's together). ``m.dp_placement``: "across" (default): an fsdp x tp group is consecutive devices and a dp
+    group's members are fsdp x tp devices apart, so with fsdp x tp = a process's (a node's) devices dp spans the
+    processes (HSDP); "within": a dp group is dp consecutive devices and fsdp x tp spans the processes."""
     devices = list(jax.devices() if devices is None else devices)
     n = m.train_devices
     if n > len(devices):
         raise ValueError(f"{describe(m)} needs {n} devices but {len(devices)} are visible; on CPU set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
-    grid = np.array(devices[:n], dtype=object).reshape(m.train_dp, m.train_fsdp, m.train_tp)
+    flat = np.array(devices[:n], dtype=object)
+    if m.dp_placement == "within":
+        grid = flat.reshape(m.train_fsdp, m.train_tp, m.train_dp).transpose(2, 0, 1)
+    else:
+        grid = flat.reshape(m.train_dp, m.train_fsdp, m.train_tp)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 

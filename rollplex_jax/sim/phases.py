@@ -23,7 +23,9 @@ timeline. Costs of the programs come from ``costs``.
   (``costs.dp_allreduce_bytes``; ZeRO-1 moves the same bytes as a reduce-scatter + all-gather). dp is the
   mesh's outer axis (``parallel/mesh.py``): a dp group's members are fsdp x tp devices apart, so the group
   stays in a node (NVLink, ``hw.intra_bw``) only if dp x fsdp x tp <= ``hw.devices_per_node``, else it
-  crosses the network (``hw.inter_bw``). Not overlapped with the backward: a conservative bound (XLA may
+  crosses the network (``hw.inter_bw``); with ``--dp_placement=within`` a dp group is dp consecutive devices, in a
+  node when dp divides the node's devices (the fsdp / tp collectives then cross nodes: still timed over NVLink
+  here, as every fsdp x tp collective is). Not overlapped with the backward: a conservative bound (XLA may
   overlap the reduction with the backward's last layers). Today's programs reduce in every gradient
   program call (each micro-batch's ``grad`` / ``suffix_grads`` returns dp-replicated gradients: XLA's HLO
   at dp 2 has an all-reduce of every gradient per call), i.e. more often than this once per optimizer step
@@ -261,7 +263,10 @@ class DpReduce:
 def dp_allreduce(s: Setup, tm: PlanMesh) -> DpReduce:
     """Seconds of the gradient sums over dp of one step on training mesh ``tm`` (module doc)."""
     hw, n = s.hw, s.cfg.rl.mini_batches
-    in_node = tm.dp * tm.weight_shards <= hw.devices_per_node  # dp outer: members fsdp x tp devices apart
+    if s.cfg.mesh.dp_placement == "within":  # a dp group is dp consecutive devices
+        in_node = tm.dp <= hw.devices_per_node and hw.devices_per_node % tm.dp == 0
+    else:  # dp outer: members fsdp x tp devices apart
+        in_node = tm.dp * tm.weight_shards <= hw.devices_per_node
     nbytes = dp_allreduce_bytes(s.cfg, tm, s.counts.trainable)
     return DpReduce(tm.dp, nbytes, n, "NVLink" if in_node else "network",
                     n * nbytes / (hw.intra_bw if in_node else hw.inter_bw))

@@ -212,18 +212,19 @@ def _disaggregated(s: Setup, split: float, sync: WeightSync, applied: Applied
     return sched, (d_r, d_t), train_mesh, dp, notes
 
 
-def _dp_line(mesh: PlanMesh, dp: DpReduce, hw: Hardware, what: str) -> str:
+def _dp_line(mesh: PlanMesh, dp: DpReduce, hw: Hardware, what: str, placement: str) -> str:
     """The assumption line of a training mesh's gradient sum over dp."""
     if mesh.dp == 1:
         return f"{what}: dp 1, no gradient sum over dp"
     bw = hw.intra_bw if dp.link == "NVLink" else hw.inter_bw
     zero = ("ZeRO-1: a reduce-scatter of the gradients + an all-gather of the updated compute weights, the same "
             "bytes" if mesh.optimizer_shards > 1 else "a ring all-reduce")
-    span = mesh.dp * mesh.weight_shards
+    span = f"dp {mesh.dp} (--dp_placement=within: consecutive devices)" if placement == "within" else \
+        f"dp x fsdp x tp = {mesh.dp * mesh.weight_shards} devices"
     return (f"{what}: gradients summed over dp {mesh.dp} once per optimizer step (x{dp.per_step} per RL step: "
             f"--mini_batches), {zero}: 2 (dp-1)/dp x the gradient shard (trainable params / (fsdp {mesh.fsdp} x tp "
-            f"{mesh.tp})) = {dp.bytes_per_device / 1e9:.3g} GB per device over {dp.link} ({bw / 1e9:.0f} GB/s; dp x "
-            f"fsdp x tp = {span} devices {'<=' if dp.link == 'NVLink' else '>'} {hw.devices_per_node} per node): "
+            f"{mesh.tp})) = {dp.bytes_per_device / 1e9:.3g} GB per device over {dp.link} ({bw / 1e9:.0f} GB/s; {span} "
+            f"{'<=' if dp.link == 'NVLink' else '>'} {hw.devices_per_node} per node): "
             f"{dp.seconds:.3g} s per step, not overlapped with the backward (a conservative bound; XLA may overlap "
             "it)")
 
@@ -250,7 +251,7 @@ def _assumptions(s: Setup, sync: WeightSync, pools: tuple[int, int], dps: tuple[
         f"devices {mesh.devices}: training dp {mesh.dp} x fsdp {mesh.fsdp} x tp {mesh.tp} (params over fsdp x tp, "
         f"replicated over dp; optimizer state over {mesh.optimizer_shards * mesh.weight_shards} devices), rollout tp "
         f"{mesh.rollout_tp} ({mesh.devices // mesh.rollout_tp} replicas)",
-        _dp_line(mesh, dp, hw, "dp all-reduce"),
+        _dp_line(mesh, dp, hw, "dp all-reduce", s.cfg.mesh.dp_placement),
         f"weight sync per step: serial/disaggregated a full engine copy ({sync.full_copy_bytes / 1e9:.2f} GB per "
         f"device; NVLink colocated, network disaggregated); rollplex refills only the engine-owned (rebuilt) "
         f"buffers of the per-tensor classification ({sync.layout} layout: {sync.rebuilt_bytes / 1e9:.2f} GB per "
@@ -261,7 +262,7 @@ def _assumptions(s: Setup, sync: WeightSync, pools: tuple[int, int], dps: tuple[
            "the engine reads an all-gathered copy, a collective that is not moved off the critical path)"),
         f"disaggregated: {pools[0]} rollout + {pools[1]} training devices (training dp {pool.dp} x fsdp {pool.fsdp} "
         f"x tp {pool.tp}), synchronous on-policy, not pipelined",
-        _dp_line(pool, pool_dp, hw, "disaggregated dp all-reduce"),
+        _dp_line(pool, pool_dp, hw, "disaggregated dp all-reduce", s.cfg.mesh.dp_placement),
         f"host work {hw.host_step_s} s per step" + (f"; input assembly on the critical path at "
                                                      f"{hw.host_copy_bw / 1e9:.2g} GB/s (patch bytes of the rows "
                                                      "scored: B x G serial, B' rollplex)" if hw.host_copy_bw
