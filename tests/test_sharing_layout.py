@@ -182,6 +182,18 @@ def test_floor_is_zero_at_equal_tp_in_the_engine_layout():
     assert all(d["floor_bytes"] == 0 for d in rep["per_device"])
 
 
+def test_dp_mesh_at_equal_tp_rebuilds_nothing():
+    """Issue 32: dp 2 x tp 2 with a TP-2 engine (vLLM's layout; the transformers engine runs TP 1 only): two replicas,
+    each rank's tensors the training shard of its device; fsdp 2 instead of dp 2 splits the model dimension and
+    rebuilds."""
+    cfg = _laid(_cfg(num_key_value_heads=4), 2, 2)
+    rep = S.plan_sharing(cfg, MeshConfig(train_dp=2, train_tp=2, rollout_tp=2), engine="vllm").report()
+    assert rep["counts"]["rebuilt"] == 0 and rep["extra_bytes_per_device"] == rep["floor_bytes_per_device"] == 0
+    assert len(rep["per_device"]) == 4
+    fsdp = S.plan_sharing(cfg, MeshConfig(train_fsdp=2, train_tp=2, rollout_tp=2), engine="vllm").report()
+    assert fsdp["counts"]["rebuilt"] > 0
+
+
 def test_floor_closed_form_on_a_layout_where_everything_divides():
     """A column-parallel [64, 32] and a row-parallel [32, 64] matrix, sharded over fsdp 2 x tp 4 (ZeRO-3 style:
     the model dimension over fsdp), a norm replicated everywhere; rollout TP 2: P/t_r - P/(fsdp*tp)."""
