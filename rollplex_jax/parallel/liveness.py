@@ -70,26 +70,6 @@ def lost_peers(last_change: dict[int, float], done: set[int], now: float, timeou
     return sorted(p for p, t in last_change.items() if p not in done and now - t > timeout_s)
 
 
-def verdict(*, me: int, n: int, step: int, lost: list[int], store_silent_s: float | None, hung_s: float | None,
-            heartbeat_s: float, step_timeout_s: float, hosts: dict[int, str], checkpoint: str) -> str:
-    """The error paragraph: who was lost (or that this step hung), what happens, how to continue."""
-    def name(p: int) -> str:
-        return f"process {p}" + (f" ({hosts[p]})" if p in hosts else "")
-
-    if store_silent_s is not None:
-        what = (f"{name(0)}, which hosts jax.distributed's coordination service, is lost: the service has not "
-                f"answered for {store_silent_s:.0f} s (--heartbeat_timeout_s={heartbeat_s:g})")
-    elif lost:
-        what = (f"{', '.join(name(p) for p in lost)} of {n} stopped beating for over {heartbeat_s:g} s "
-                "(--heartbeat_timeout_s): it died (killed, out of memory, node lost) or is frozen")
-    else:
-        what = (f"step {step + 1} has not finished {hung_s:.0f} s after the previous one (--step_timeout_s="
-                f"{step_timeout_s:g}) although every process still beats: a hang in a collective or a kernel")
-    return (f"error: [process {me}] {what}. This process stops during step {step + 1} instead of waiting in a "
-            f"collective (exit code {EXIT_LOST}); no checkpoint is written now. {checkpoint}; restart every process "
-            "with the same flags and --resume to continue from it exactly.")
-
-
 def _main_stack() -> str:
     frame = sys._current_frames().get(threading.main_thread().ident)
     return "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
@@ -182,6 +162,26 @@ class Liveness:
                 self.seen[p], self.last_change[p] = value, now
         self.store_ok = now
 
+    def verdict(self, lost: list[int], store_silent_s: float | None, hung_s: float | None) -> str:
+        """The error paragraph: who was lost (or that this step hung), what happens, how to continue."""
+        hosts, step = self.hosts, self.step
+
+        def name(p: int) -> str:
+            return f"process {p}" + (f" ({hosts[p]})" if p in hosts else "")
+
+        if store_silent_s is not None:
+            what = (f"{name(0)}, which hosts jax.distributed's coordination service, is lost: the service has not "
+                    f"answered for {store_silent_s:.0f} s (--heartbeat_timeout_s={self.heartbeat_s:g})")
+        elif lost:
+            what = (f"{', '.join(name(p) for p in lost)} of {self.n} stopped beating for over {self.heartbeat_s:g} s "
+                    "(--heartbeat_timeout_s): it died (killed, out of memory, node lost) or is frozen")
+        else:
+            what = (f"step {step + 1} has not finished {hung_s:.0f} s after the previous one (--step_timeout_s="
+                    f"{self.step_timeout_s:g}) although every process still beats: a hang in a collective or a kernel")
+        return (f"error: [process {self.me}] {what}. This process stops during step {step + 1} instead of waiting in "
+                f"a collective (exit code {EXIT_LOST}); no checkpoint is written now. {self.checkpoint()}; restart "
+                "every process with the same flags and --resume to continue from it exactly.")
+
     def check(self) -> str | None:
         """The error paragraph if a peer is lost or the step hangs, else None (the judge thread's body)."""
         now = self.clock()
@@ -192,14 +192,9 @@ class Liveness:
         if not (store_lost or lost or (self.step_timeout_s > 0 and hung > self.step_timeout_s)):
             return None
         if not store_lost and not lost:
-            hung_msg = verdict(me=self.me, n=self.n, step=self.step, lost=[], store_silent_s=None, hung_s=hung,
-                               heartbeat_s=self.heartbeat_s, step_timeout_s=self.step_timeout_s, hosts=self.hosts,
-                               checkpoint=self.checkpoint())
-            return hung_msg + f"\nwhere the main thread is (innermost last):\n{_main_stack()}"
+            return self.verdict([], None, hung) + f"\nwhere the main thread is (innermost last):\n{_main_stack()}"
         self._read_hosts()
-        return verdict(me=self.me, n=self.n, step=self.step, lost=lost, store_silent_s=silent if store_lost else None,
-                       hung_s=None, heartbeat_s=self.heartbeat_s, step_timeout_s=self.step_timeout_s,
-                       hosts=self.hosts, checkpoint=self.checkpoint())
+        return self.verdict(lost, silent if store_lost else None, None)
 
     def _read_hosts(self) -> None:
         try:
