@@ -47,11 +47,12 @@ def start_distributed(fv) -> tuple[int, int]:
 def start_liveness(fv, cfg, index: int, count: int):
     """The lost-process check of a multi-process run (``parallel.liveness``; None for one process)."""
     from rollplex_jax.parallel.liveness import Liveness
+    from rollplex_jax.run.checkpoint import committed_steps
 
     directory = os.path.abspath(os.path.join(cfg.run.workdir, "checkpoints"))
 
     def last_checkpoint() -> str:
-        steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
+        steps = committed_steps(cfg.run.workdir)
         return f"The last checkpoint is step {steps[-1]} in {directory}" if steps else \
             f"No checkpoint in {directory} yet (--checkpoint_every)"
 

@@ -48,8 +48,9 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
+
+from rollplex_jax.parallel.threads import stack_of
 
 EXIT_LOST = 75  # EX_TEMPFAIL (sysexits.h): a peer was lost or a step hung; restarting with --resume can succeed
 PREFIX = "rollplex/alive/"
@@ -68,11 +69,6 @@ def interval_for(timeout_s: float) -> float:
 def lost_peers(last_change: dict[int, float], done: set[int], now: float, timeout_s: float) -> list[int]:
     """The processes (not done) whose beat has not changed for more than ``timeout_s`` (times: this host's clock)."""
     return sorted(p for p, t in last_change.items() if p not in done and now - t > timeout_s)
-
-
-def _main_stack() -> str:
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    return "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
 
 
 class Liveness:
@@ -192,7 +188,8 @@ class Liveness:
         if not (store_lost or lost or (self.step_timeout_s > 0 and hung > self.step_timeout_s)):
             return None
         if not store_lost and not lost:
-            return self.verdict([], None, hung) + f"\nwhere the main thread is (innermost last):\n{_main_stack()}"
+            where = stack_of(threading.main_thread())
+            return self.verdict([], None, hung) + f"\nwhere the main thread is (innermost last):\n{where}"
         self._read_hosts()
         return self.verdict(lost, silent if store_lost else None, None)
 

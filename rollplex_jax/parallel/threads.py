@@ -26,6 +26,9 @@ left as they are.
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import traceback
 
 
 def usable_cores() -> int:
@@ -45,3 +48,12 @@ def default_torch_threads(cores: int) -> int:
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
     return max(1, cores // 2)
+
+
+def stack_of(thread: threading.Thread, frames: int = 12) -> str:
+    """The innermost ``frames`` frames of ``thread``'s Python stack ('' when it has none): where a hung thread is
+    (``run.watchdog`` for a rollout, ``parallel.liveness`` for the main thread of a hung step)."""
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:
+        return ""
+    return "".join(traceback.format_stack(frame)[-frames:])

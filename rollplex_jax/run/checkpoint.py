@@ -11,6 +11,14 @@ import os
 import orbax.checkpoint as ocp
 
 
+def committed_steps(workdir: str) -> list[int]:
+    """The steps of the committed checkpoints in ``<workdir>/checkpoints`` (directories named by their step; orbax
+    renames a save's temporary directory to that only once it is complete), ascending; without orbax, so that a
+    failure path can read it while a save is in flight."""
+    d = os.path.join(workdir, "checkpoints")
+    return sorted(int(name) for name in os.listdir(d) if name.isdigit()) if os.path.isdir(d) else []
+
+
 class Checkpointer:
     """Saves ``{"state": pytree, "meta": dict}`` under ``<workdir>/checkpoints/<step>``."""
 

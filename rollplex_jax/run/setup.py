@@ -27,6 +27,7 @@ from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
 from rollplex_jax.models.qwen2_5_vl.params import init_params
 from rollplex_jax.parallel import mesh as mesh_lib
 from rollplex_jax.parallel import multihost, threads
+from rollplex_jax.run.checkpoint import committed_steps
 from rollplex_jax.run.watchdog import TimedEngine
 
 
@@ -117,7 +118,7 @@ def _synthetic(cfg: Config, workdir: str, procs: multihost.Processes, split: str
     out = os.path.join(workdir, "data" if split == "train" else "eval_data")
     jsonl, want = os.path.join(out, "data.jsonl"), synthetic.dataset_key(
         d.synthetic_task, n, seed, d.synthetic_image_size, d.synthetic_video_frames, d.image_sizes())
-    have, trained = synthetic.written_key(out), _has_checkpoints(workdir)
+    have, trained = synthetic.written_key(out), bool(committed_steps(workdir))
     exists = os.path.exists(jsonl)
     if exists and have is not None and have != want and trained:
         raise ConfigError(f"{out} holds the synthetic {split} prompts written from {_flags(have, split)}, but this "
@@ -144,12 +145,6 @@ def _flags(key: dict, split: str) -> str:
              "seed": "--seed" if split == "train" else "seed (--seed + 1000003)"}
     return ", ".join(f"{names.get(k, k)}={','.join(map(str, v)) if isinstance(v, list) else v}"
                      for k, v in key.items())
-
-
-def _has_checkpoints(workdir: str) -> bool:
-    """Whether ``<workdir>/checkpoints`` holds a committed checkpoint (a directory named by its step)."""
-    d = os.path.join(workdir, "checkpoints")
-    return os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import traceback
+
+from rollplex_jax.parallel.threads import stack_of
 
 _OWN = ("inner", "timeout_s", "name", "_stuck")
 
@@ -106,7 +107,7 @@ class TimedEngine:
         worker.start()
         if not done.wait(self.timeout_s):
             object.__setattr__(self, "_stuck", worker)
-            raise RolloutTimeoutError(self.name, self.timeout_s, sequences, stack=_stack_of(worker))
+            raise RolloutTimeoutError(self.name, self.timeout_s, sequences, stack=stack_of(worker))
         if "error" in box:
             raise box["error"]
         return box["out"]
@@ -141,10 +142,3 @@ def _cuda_device() -> int | None:
         return None
     return torch.cuda.current_device()
 
-
-def _stack_of(thread: threading.Thread, frames: int = 12) -> str:
-    """The innermost ``frames`` frames of ``thread``'s Python stack ('' when it has none)."""
-    frame = sys._current_frames().get(thread.ident)
-    if frame is None:
-        return ""
-    return "".join(traceback.format_stack(frame)[-frames:])
