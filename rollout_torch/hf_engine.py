@@ -4,7 +4,8 @@ The torch model is built from a Qwen2.5-VL ``config.json`` dict on the ``meta`` 
 memory, no download); ``bind`` then installs the actor's shards as its parameters, as the trainer
 classified them (``rollplex_contract.layout``): on one device every tensor is ``aligned`` (a DLPack
 view: 100% shared, nothing rebuilt). With params sharded over a training mesh (e.g. fsdp=4) the
-engine (no tensor parallelism) runs on the mesh's first device: replicated params are aligned views
+engine (no tensor parallelism) runs on the mesh's first device (in a job of several processes, each process's
+own first device, decoding that process's share): replicated params are aligned views
 of that device's shard, split ones are rebuilt (engine-owned full tensors, refilled in place on
 every bind). Generation drives transformers' model itself (``hf_decode``): each distinct prompt of a chunk is
 prefilled once (vision tower, prompt KV, M-RoPE positions as ``generate`` builds them, also for videos with their

@@ -100,6 +100,25 @@ def test_detect_slurm_overrides():
         detect(env=_slurm_env(ROLLPLEX_COORDINATOR_PORT="http"))
 
 
+@pytest.mark.parametrize("extra, ids", [
+    ({}, None),  # CPU job: no GPUs, every process drives its own (fake) devices
+    ({"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_GPUS_ON_NODE": "8"}, None),  # one task per node drives 8 GPUs
+    ({"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_GPUS_ON_NODE": "8", "SLURM_LOCALID": "5"}, (5,)),
+    ({"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "SLURM_LOCALID": "3"}, (3,)),
+    ({"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "CUDA_VISIBLE_DEVICES": "6", "SLURM_LOCALID": "6"}, None),  # bound
+    ({"SLURM_STEP_TASKS_PER_NODE": "4,8", "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "8", "SLURM_LOCALID": "7"},
+     (7,)),
+])
+def test_detect_slurm_one_task_per_gpu(extra, ids):
+    """Several tasks on a node that see all its GPUs: task SLURM_LOCALID drives GPU SLURM_LOCALID (issue 33)."""
+    assert detect(env=_slurm_env(**extra)).local_device_ids == ids
+
+
+def test_detect_slurm_more_tasks_than_gpus():
+    with pytest.raises(DistributedError, match="--ntasks-per-node=4"):
+        detect(env=_slurm_env(SLURM_STEP_TASKS_PER_NODE="8", SLURM_GPUS_ON_NODE="4"))
+
+
 def test_detect_slurm_batch_script_is_single_process():
     """In the sbatch script itself SLURM_NTASKS=2 and SLURM_PROCID=0 but only one process runs: not distributed."""
     assert detect(env=_slurm_env(step=False)) is None

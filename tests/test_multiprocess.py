@@ -57,27 +57,33 @@ def _metrics(workdir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def _launch(cmd: list[str], workdir, env=({}, {}), stdout=subprocess.PIPE) -> list[subprocess.Popen]:
-    """Both processes of a two-process job (``env``: extra variables per process)."""
+def _launch(cmd: list[str], workdir, env=({}, {}), stdout=subprocess.PIPE, devices: int = 2) -> list[subprocess.Popen]:
+    """Both processes of a two-process job of ``devices`` devices each (``env``: extra variables per process)."""
     port = _free_port()
     return [subprocess.Popen([*cmd, f"--workdir={workdir}", f"--coordinator_address=127.0.0.1:{port}",
-                              "--num_processes=2", f"--process_id={i}"], cwd=REPO, env={**_env(2), **env[i]},
+                              "--num_processes=2", f"--process_id={i}"], cwd=REPO, env={**_env(devices), **env[i]},
                              stdout=stdout, stderr=subprocess.PIPE if stdout == subprocess.PIPE else stdout, text=True)
             for i in range(2)]
 
 
-MESHES = [("--train_fsdp=2", "--train_tp=2"), ("--train_dp=2", "--train_fsdp=2", "--eps=1e-6")]
+# (mesh flags, devices per process): two processes of 2 devices, and one process per device (issue 33: the
+# layout on GPUs, each device decoding its share with an engine of its own) on fsdp 2 (the engine reads an
+# all-gathered copy of the split params) and dp 2 (every param whole on each device: the engine views the
+# training shard, nothing gathered)
+MESHES = [(("--train_fsdp=2", "--train_tp=2"), 2), (("--train_dp=2", "--train_fsdp=2", "--eps=1e-6"), 2),
+          (("--train_fsdp=2",), 1), (("--train_dp=2", "--eps=1e-6"), 1)]
 
 
-@pytest.fixture(scope="module", params=MESHES, ids=["fsdp2xtp2", "dp2xfsdp2"])
+@pytest.fixture(scope="module", params=MESHES, ids=["fsdp2xtp2", "dp2xfsdp2", "fsdp2_per_device", "dp2_per_device"])
 def runs(tmp_path_factory, request):
     one = tmp_path_factory.mktemp("one_process")
     two = tmp_path_factory.mktemp("two_processes")
-    cmd = [sys.executable, "-m", "launch.main", *FLAGS, *request.param]
-    procs = _launch(cmd, two)
+    mesh, per_process = request.param
+    cmd = [sys.executable, "-m", "launch.main", *FLAGS, *mesh]
+    procs = _launch(cmd, two, devices=per_process)
     try:
-        single = subprocess.run([*cmd, f"--workdir={one}"], cwd=REPO, env=_env(4), capture_output=True, text=True,
-                                timeout=600)
+        single = subprocess.run([*cmd, f"--workdir={one}"], cwd=REPO, env=_env(2 * per_process),
+                                capture_output=True, text=True, timeout=600)
         outs = [p.communicate(timeout=600) for p in procs]
     finally:
         for p in procs:
@@ -86,7 +92,7 @@ def runs(tmp_path_factory, request):
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     return one, two, json.loads(single.stdout.strip().splitlines()[-1]), [json.loads(o.strip().splitlines()[-1])
-                                                                           for o, _ in outs], request.param
+                                                                           for o, _ in outs], mesh, per_process
 
 
 def _final_params(workdir) -> dict:
@@ -108,7 +114,7 @@ def _final_params(workdir) -> dict:
 
 
 def test_two_processes_train_exactly_like_one(runs):
-    one, two, single, multi, mesh = runs
+    one, two, single, multi, mesh, _ = runs
     assert multi[0]["params_sha256"] == multi[1]["params_sha256"]
     if "--train_dp=2" in mesh:  # rounding of a 4-device sum in another order (module doc)
         assert_same_updates(_final_params(two), _final_params(one), lr=LR, updates=2)
@@ -131,14 +137,20 @@ def test_two_processes_train_exactly_like_one(runs):
 
 
 def test_outputs_written_once_and_checkpoints_collectively(runs):
-    _, two, _, _, _ = runs
+    _, two, _, _, mesh, per_process = runs
     summary = json.load(open(os.path.join(two, "run_summary.json")))
     assert summary["processes"] == 2 and summary["steps_done"] == 2
-    assert summary["weight_sharing"]["multi_process"]["gathered_copy_bytes"] > 0
+    sharing = summary["weight_sharing"]["multi_process"]
+    total = sum(summary["weight_sharing"]["bytes"].values())
+    assert sharing["viewed_training_shard_bytes"] + sharing["gathered_copy_bytes"] == total
+    if mesh[0] == "--train_dp=2" and per_process == 1:  # whole params on every device: views, nothing gathered
+        assert sharing["gathered_copy_bytes"] == 0
+    else:  # split params gathered; the replicated ones (norms, biases) viewed
+        assert sharing["gathered_copy_bytes"] > 0 and sharing["viewed_training_shard_bytes"] > 0
     assert sorted(os.listdir(os.path.join(two, "checkpoints"))) == ["1", "2"]
     # memory measured per process on its busiest device, beside the planner's per-device figure (defaults)
     mem = summary["memory"]
-    assert mem["devices"] == 4 and mem["measured_peak_bytes"]["train"] > 0 and mem["planned_vs_measured"]
+    assert mem["devices"] == 2 * per_process and mem["measured_peak_bytes"]["train"] > 0 and mem["planned_vs_measured"]
 
 
 # The kill test: process 1 stalls in its second step's reward (tests.reward_fns:varied_parts_stalling, the same
@@ -174,8 +186,8 @@ def _kill_mid_step(cmd: list[str], tmp_path) -> tuple[int, str, float]:
 
 def test_a_killed_process_ends_the_other_and_resume_continues_exactly(runs, tmp_path):
     """Issue 32 item 7, on the dp mesh (dp spans the two processes)."""
-    _, _, _, multi, mesh = runs
-    if "--train_dp=2" not in mesh:
+    _, _, _, multi, mesh, per_process = runs
+    if "--train_dp=2" not in mesh or per_process != 2:
         pytest.skip("run once, on the dp 2 x fsdp 2 mesh")
     cmd = [sys.executable, "-m", "launch.main", *FLAGS, *mesh, *KILL_FLAGS]
     code, err, waited = _kill_mid_step(cmd, tmp_path)

@@ -168,3 +168,17 @@ def test_plot_helpers_and_readme_figures(tmp_path):
     tracer.add("update", "update", 1, 0.6, 0.7, note="x")
     write_chrome_trace(tracer.spans, tmp_path / "trace.json")
     assert spans_from_chrome_trace(str(tmp_path / "trace.json")) == tracer.spans
+
+
+@pytest.mark.parametrize("engine, match", [("hf", "has no tensor parallelism; tensor-parallel decoding needs "
+                                                  "--engine=vllm"),
+                                           ("vllm", "vLLM ranks across processes .* not built yet")])
+def test_rollout_tp_refused_naming_the_engine(engine, match):
+    """Issue 33 item 4: the transformers engine refuses --rollout_tp > 1 naming vLLM; vLLM's TP ranks across
+    processes are not built, which the error says (before any model is built)."""
+    from rollplex_jax.parallel.multihost import Processes
+    from rollplex_jax.run.setup import check_mesh
+
+    cfg = config_from_flagfile("configs/tiny_cpu.flags", rollout_tp=2, engine=engine)
+    with pytest.raises(ConfigError, match=match):
+        check_mesh(cfg, Processes())

@@ -7,8 +7,9 @@ environment. `initialize(spec)` then starts JAX's multi-controller runtime (gloo
 Gotchas this module handles (jax 0.10):
 - `jax.distributed.initialize` left to its own SLURM detection sets `local_device_ids=[SLURM_LOCALID]`,
   i.e. with one task per node each process would drive GPU 0 only. We resolve everything ourselves and pass
-  `cluster_detection_method="deactivate"`, so a process sees all its local devices unless
-  `local_device_count` says otherwise.
+  `cluster_detection_method="deactivate"`: a process sees all its local devices, except with one task per GPU
+  (several tasks on a node, its GPUs visible to each: `slurm_local_devices`), where task SLURM_LOCALID drives
+  GPU SLURM_LOCALID.
 - Inside an `sbatch` script (the batch step) SLURM_NTASKS is the allocation's task count although only one
   process runs there; only `srun` steps count (SLURM_STEP_NUM_TASKS / SLURM_STEP_ID), so a single-process run
   started from the batch script is not mistaken for process 0 of N (it would wait for the others forever).
@@ -39,7 +40,7 @@ class DistributedSpec:
     coordinator_address: str  # "host:port" of process 0's coordination service
     num_processes: int
     process_id: int
-    local_device_count: int | None = None  # use local devices 0..n-1 only (GPUs); None: all local devices
+    local_device_ids: tuple[int, ...] | None = None  # the local devices (GPUs) this process drives; None: all
     source: str = "flags"  # "flags" or "slurm": where the settings came from (for logs)
 
     def __post_init__(self):
@@ -49,8 +50,8 @@ class DistributedSpec:
         if not 0 <= self.process_id < self.num_processes:
             raise DistributedError(f"--process_id must be in [0, --num_processes={self.num_processes}), "
                                    f"got {self.process_id}")
-        if self.local_device_count is not None and self.local_device_count < 1:
-            raise DistributedError(f"local_device_count must be >= 1 or None, got {self.local_device_count}")
+        if self.local_device_ids is not None and (not self.local_device_ids or min(self.local_device_ids) < 0):
+            raise DistributedError(f"local_device_ids must be non-negative ids or None, got {self.local_device_ids}")
 
 
 def _check_address(address: str, name: str) -> None:
@@ -139,7 +140,7 @@ def default_port(env: Mapping[str, str]) -> int:
 
 
 def detect(coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-           env: Mapping[str, str] | None = None, local_device_count: int | None = None) -> DistributedSpec | None:
+           env: Mapping[str, str] | None = None) -> DistributedSpec | None:
     """The multi-process settings of this process, or None for a single-process run.
 
     Explicit arguments (the --coordinator_address/--num_processes/--process_id flags) win and must be given
@@ -160,8 +161,7 @@ def detect(coordinator_address: str | None = None, num_processes: int | None = N
                                    "needs all three (or none, to auto-detect SLURM)")
         if num_processes == 1:
             return None
-        return DistributedSpec(coordinator_address, int(num_processes), int(process_id), local_device_count,
-                               source="flags")
+        return DistributedSpec(coordinator_address, int(num_processes), int(process_id), source="flags")
 
     if not env.get("SLURM_JOB_ID"):
         return None
@@ -186,7 +186,44 @@ def detect(coordinator_address: str | None = None, num_processes: int | None = N
     address = f"{host}:{default_port(env)}"
     if not 0 <= procid < ntasks:
         raise DistributedError(f"SLURM_PROCID={procid} is not in [0, {ntasks})")
-    return DistributedSpec(address, ntasks, procid, local_device_count, source="slurm")
+    return DistributedSpec(address, ntasks, procid, slurm_local_devices(env), source="slurm")
+
+
+def _tasks_on_node(env: Mapping[str, str]) -> int:
+    """Tasks of this step on this node: SLURM_STEP_TASKS_PER_NODE (e.g. '8(x2),4') at SLURM_NODEID, else
+    SLURM_NTASKS_PER_NODE, else 1."""
+    text = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts = []
+    for part in filter(None, text.split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise DistributedError(f"SLURM tasks per node {text!r}: cannot parse {part!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if counts:
+        node = _env_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+        return counts[min(node, len(counts) - 1)]
+    return _env_int(env, "SLURM_NTASKS_PER_NODE") if env.get("SLURM_NTASKS_PER_NODE") else 1
+
+
+def slurm_local_devices(env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """The GPU a SLURM task drives when a node runs one task per GPU (issue 33's layout: every device decodes with
+    an engine of its own), or None (the process drives every device it sees: one task per node, a task bound to
+    one GPU by ``--gpus-per-task=1``, or no GPUs: CPU jobs).
+
+    With several tasks on the node and its GPUs visible to each (``--gpus-per-node=G --ntasks-per-node=G``, JAX's
+    own convention, which keeps the GPUs' peer access), task SLURM_LOCALID drives GPU SLURM_LOCALID; more tasks
+    than visible GPUs is refused."""
+    tasks = _tasks_on_node(env)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    gpus = len([g for g in visible.split(",") if g.strip()]) if visible is not None else (
+        _env_int(env, "SLURM_GPUS_ON_NODE") if env.get("SLURM_GPUS_ON_NODE") else 0)
+    if tasks <= 1 or gpus <= 1:
+        return None
+    local = _env_int(env, "SLURM_LOCALID")
+    if tasks > gpus:
+        raise DistributedError(f"{tasks} SLURM tasks on this node share {gpus} GPUs: start one task per GPU "
+                               f"(--ntasks-per-node={gpus}) or one per node (--ntasks-per-node=1)")
+    return (local,)
 
 
 _initialized: DistributedSpec | None = None
@@ -216,8 +253,8 @@ def initialize(spec: DistributedSpec | None, timeout_s: int = 300, heartbeat_tim
     except AttributeError:  # very old jax without the option
         pass
     kwargs = {}
-    if spec.local_device_count is not None:
-        kwargs["local_device_ids"] = list(range(spec.local_device_count))
+    if spec.local_device_ids is not None:
+        kwargs["local_device_ids"] = list(spec.local_device_ids)
     jax.distributed.initialize(coordinator_address=spec.coordinator_address, num_processes=spec.num_processes,
                                process_id=spec.process_id, cluster_detection_method="deactivate",
                                initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s,

@@ -131,19 +131,34 @@ def barrier(name: str, procs: Processes) -> None:
 
 
 class ReplicatedCopy:
-    """What a multi-process run's engine reads: each process's engine decodes on its own device, but the
-    training mesh splits the weights over every process's devices. Called with the params before each
-    rollout (``sharing.WeightPublisher(gather=...)``), it all-gathers them by one XLA program into a
-    replicated copy (the collective runs over the job's transport: gloo on CPU, NCCL on GPU) and returns
-    that copy's local shards, single-device arrays the engine views zero-copy; the publisher holds them
-    (all of it engine-only, i.e. rebuilt bytes) until ``release``."""
+    """What a multi-process run's engine reads: each process's engine decodes on its own first device, but the
+    training mesh may split the weights over every process's devices. Called with the params before each
+    rollout (``sharing.WeightPublisher(gather=...)``), it returns single-device arrays on that device, which the
+    engine views zero-copy:
+
+    - a param whose shard on that device is the whole param (replicated over the mesh, or every param of a
+      dp-only mesh: one process per device at fsdp 1 x tp 1) is that training shard itself: a view, nothing
+      copied (``viewed_bytes``);
+    - the others are all-gathered by one XLA program into a replicated copy (the collective runs over the job's
+      transport: gloo on CPU, NCCL on GPU), engine-only bytes (``gathered_bytes``, rebuilt).
+
+    Which params are whole depends only on the shardings, the same in every process, so every process issues the
+    same gather. The publisher holds the arrays until ``release``."""
 
     def __init__(self, mesh):
         from jax.sharding import NamedSharding, PartitionSpec
 
         self._replicate = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, PartitionSpec()))
+        self.device = min(mesh.local_devices, key=lambda d: d.id)
+        self.gathered_bytes = self.viewed_bytes = 0
+
+    def _local(self, a: jax.Array) -> jax.Array:
+        return next(s.data for s in a.addressable_shards if s.device == self.device)
 
     def __call__(self, params) -> dict:
-        copy = self._replicate(dict(params))
+        whole = {k for k, v in params.items() if self._local(v).shape == v.shape}
+        copy = self._replicate({k: v for k, v in params.items() if k not in whole}) if len(whole) < len(params) else {}
         jax.block_until_ready(copy)
-        return {k: v.addressable_shards[0].data for k, v in copy.items()}
+        self.gathered_bytes = sum(int(v.nbytes) for v in copy.values())
+        self.viewed_bytes = sum(int(params[k].nbytes) for k in whole)
+        return {k: self._local(copy[k] if k in copy else v) for k, v in params.items()}

@@ -372,7 +372,8 @@ class Runner:
         summary = {"config": self.cfg.to_dict(), "versions": run_summary.versions(),
                    "device_kind": jax.devices()[0].device_kind, "steps_done": self.step,
                    **run_summary.reward_summary(self.history), **ev, **val, "params_sha256": self.params_sha256(),
-                   "weight_sharing": run_summary.sharing_summary(self.ctx.publisher.report(), self.procs.count),
+                   "weight_sharing": run_summary.sharing_summary(self.ctx.publisher.report(),
+                                                                 self.ctx.publisher.gather),
                    "memory": self.memory_report(), "data": {"train": self.train_report.to_dict()},
                    "compilation": run_summary.compile_summary(self.cfg.run.compilation_cache_dir, self.history),
                    "wall_s": time.perf_counter() - self._t0}

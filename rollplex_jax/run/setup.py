@@ -70,9 +70,15 @@ def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
                           f"{jax.device_count()} are visible (on CPU: XLA_FLAGS="
                           f"--xla_force_host_platform_device_count={m.train_devices})")
     if m.rollout_tp != 1:
-        raise ConfigError(f"--rollout_tp={m.rollout_tp}: the in-process rollout engines decode on one device (the "
-                          "transformers engine has no tensor parallelism; a TP vLLM engine needs GPUs); `python -m "
-                          "launch.plan` classifies the weight sharing of such a layout. Use --rollout_tp=1 to train.")
+        if cfg.rollout.engine == "hf":
+            raise ConfigError(f"--rollout_tp={m.rollout_tp}: the transformers engine (--engine=hf) has no tensor "
+                              "parallelism; tensor-parallel decoding needs --engine=vllm. With --rollout_tp=1 every "
+                              "process's engine decodes its share of the prompts: start one process per device "
+                              "(README, SLURM) to decode on every device.")
+        raise ConfigError(f"--rollout_tp={m.rollout_tp} --engine=vllm: vLLM ranks across processes (its external "
+                          "launcher) are not built yet, so a TP group cannot decode; use --rollout_tp=1 (one engine "
+                          "per process, each decoding its share). `python -m launch.plan` plans and classifies "
+                          "the TP layout.")
 
 
 def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split: str, *,

@@ -36,14 +36,17 @@ def compile_summary(cache_dir: str, history: list[dict]) -> dict:
             "compile_s": total("timing_s/compile"), "cache_hits": int(total("perf/compile_cache_hits"))}
 
 
-def sharing_summary(report: SharingReport, processes: int) -> dict:
-    """The engine's sharing report; in a multi-process run the engine views an all-gathered copy, so every
-    byte it reads is rebuilt (engine-only), whatever the per-tensor classification of that copy."""
+def sharing_summary(report: SharingReport, gather=None) -> dict:
+    """The engine's sharing report; in a multi-process run (``gather``: the publisher's ``multihost.ReplicatedCopy``)
+    the engine views its device's training shards where they hold whole params and an all-gathered copy of the
+    rest, whose bytes are rebuilt (engine-only) whatever the per-tensor classification of the arrays it read."""
     out = report.to_dict()
-    if processes > 1:
-        out["multi_process"] = {"gathered_copy_bytes": sum(out["bytes"].values()), "note": (
-            "each process's engine reads a replicated copy all-gathered before every rollout "
-            "(multihost.ReplicatedCopy): all of it is rebuilt; the counts above classify that copy")}
+    if gather is not None:
+        out["multi_process"] = {"gathered_copy_bytes": gather.gathered_bytes,
+                                "viewed_training_shard_bytes": gather.viewed_bytes, "note": (
+            "each process's engine views the training shards of its own device that hold whole params (a dp-only "
+            "mesh: all of them) and reads the rest from a copy all-gathered before every rollout "
+            "(multihost.ReplicatedCopy): gathered_copy_bytes are rebuilt; the counts above classify the arrays read")}
     return out
 
 

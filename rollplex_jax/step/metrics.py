@@ -27,6 +27,7 @@ duplicate (``reward/mean`` = ``reward/overall``; ``time/<phase>_s`` = ``timing_s
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts
@@ -100,8 +101,11 @@ def total_tokens(prompts: Prompts, rollouts: Rollouts) -> int:
 def logprob_mismatch(engine, trainer, mask) -> dict[str, float]:
     """``rollout/logprob_abs_diff_{mean,max}`` of the engine's and the trainer's log-probs [B*G, Tr] over the answer
     tokens (``mask`` > 0)."""
-    d = np.abs(np.asarray(engine, np.float64) - np.asarray(trainer, np.float64))[np.asarray(mask) > 0]
-    return mismatch_metrics(float(d.sum()), float(d.max(initial=0.0)), float(d.size))
+    # On the device, not np.asarray: with one process per device the trainer's rows span processes (not
+    # addressable here); the sums are replicated scalars every process can read.
+    keep = jnp.asarray(mask) > 0
+    d = jnp.where(keep, jnp.abs(jnp.asarray(engine, jnp.float32) - jnp.asarray(trainer, jnp.float32)), 0.0)
+    return mismatch_metrics(float(d.sum()), float(d.max(initial=0.0)), float(keep.sum()))
 
 
 def mismatch_metrics(total: float | None, largest: float | None, tokens: float | None) -> dict[str, float]:
