@@ -344,6 +344,11 @@ _HELP = {
     "dp_placement": "With --train_dp > 1, where the data-parallel groups lie: across (default: a group's members are "
                     "fsdp x tp devices apart, so dp spans the processes / nodes and fsdp, tp stay within one, HSDP) "
                     "or within (a group is consecutive devices: dp within a node, fsdp x tp across nodes).",
+    "process_devices": "Devices each process drives, with one rollout engine per process on its first device: 0 = "
+                       "the job's own (launch.main; launch.plan plans 1, one process per device, as the SLURM "
+                       "script starts on GPUs: every device decodes, and each engine's copy of split weights is "
+                       "all-gathered for the rollout only); a single process keeps its engine's rebuilt buffers "
+                       "between steps (refilled after each update). Set, it must match the job.",
     "train_fsdp": "Training mesh: FSDP degree (actor and reference).",
     "train_tp": "Training mesh: tensor-parallel degree (actor and reference).",
     "rollout_tp": "Rollout engine tensor-parallel degree.",

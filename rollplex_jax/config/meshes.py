@@ -14,9 +14,11 @@ DP_PLACEMENTS = ("across", "within")  # dp outermost (spans processes / nodes) o
 class MeshConfig:
     """Device meshes per role. Training: dp x fsdp x tp over the first dp x fsdp x tp devices: parameters
     sharded over fsdp x tp and replicated over dp, the batch split over dp x fsdp (the reference uses the
-    training mesh; several processes form one mesh over all their devices). Rollout: its own TP degree; the
-    in-process engines decode on one device (``rollout_tp=1``), other degrees are planned and classified by
-    ``launch.plan`` only (a run refuses them with a clear error)."""
+    training mesh; several processes form one mesh over all their devices). Rollout: its own TP degree; each
+    process's engine decodes its share of the prompts on its first device (``rollout_tp=1``), other degrees are
+    planned and classified by ``launch.plan`` only (a run refuses them with a clear error). ``process_devices``:
+    the devices each process drives (0: ``launch.main`` resolves the job's own, ``launch.plan`` plans 1, one
+    process per device, the layout the SLURM script starts on GPUs)."""
 
     train_dp: int = 1
     train_fsdp: int = 1
@@ -25,10 +27,17 @@ class MeshConfig:
     optimizer_shard: str = "auto"  # dp: master weights and moments sharded over dp too (ZeRO-1); auto: dp if > 1
     dp_placement: str = "across"  # across: a dp group's members are fsdp x tp devices apart (dp spans processes /
     # nodes, fsdp and tp within one: HSDP); within: they are consecutive devices (fsdp x tp spans the processes)
+    process_devices: int = 0
+
+    @property
+    def processes(self) -> int:
+        """Processes of the job (one engine each): the training devices over ``process_devices`` (0 plans 1)."""
+        return max(1, self.train_devices // (self.process_devices or 1))
 
     def __post_init__(self):
         for name in ("train_dp", "train_fsdp", "train_tp", "rollout_tp"):
             _require(getattr(self, name) >= 1, f"mesh.{name}", getattr(self, name), "must be >= 1")
+        _require(self.process_devices >= 0, "mesh.process_devices", self.process_devices, "must be >= 0")
         _require(self.optimizer_shard in OPTIMIZER_SHARDS, "mesh.optimizer_shard", self.optimizer_shard,
                  f"one of {', '.join(OPTIMIZER_SHARDS)}")
         _require(self.dp_placement in DP_PLACEMENTS, "mesh.dp_placement", self.dp_placement,

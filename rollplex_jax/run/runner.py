@@ -68,6 +68,7 @@ class Runner:
         os.makedirs(self.workdir, exist_ok=True)
         self._build_data()
         run_setup.check_mesh(cfg, self.procs)
+        self.cfg = cfg = run_setup.resolve_process_devices(self.cfg, self.procs)
         self._build_state()
         self._build_step()
         self.tracer = Tracer()

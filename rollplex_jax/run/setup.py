@@ -81,6 +81,18 @@ def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
                           "the TP layout.")
 
 
+def resolve_process_devices(cfg: Config, procs: multihost.Processes) -> Config:
+    """``cfg`` with ``--process_devices`` resolved to the job's (the mesh's devices over its processes: what the
+    planner needs to know whether each engine's weights are gathered per rollout); a value set otherwise is
+    refused naming the flag."""
+    have = cfg.mesh.train_devices // procs.count
+    if cfg.mesh.process_devices not in (0, have):
+        raise ConfigError(f"--process_devices={cfg.mesh.process_devices}, but each of this job's {procs.count} "
+                          f"process(es) drives {have} of the mesh's {cfg.mesh.train_devices} devices: leave it 0 "
+                          "(resolved from the job) or set it to that")
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, process_devices=have))
+
+
 def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split: str, *,
                log) -> tuple[data_lib.Dataset, data_lib.DataReport]:
     """The examples of ``split``: ``train`` (``--dataset``) or ``eval`` (``--val_dataset``); without a file, the

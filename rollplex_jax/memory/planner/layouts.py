@@ -126,7 +126,9 @@ WEIGHT_SHARING_RULE = (
     "rollout weights: per-tensor classification (rollplex_jax/weights/classify.py) of the engine's tensors against the "
     "training shards on each device (rank r of rollout replica j on training device j*rollout_tp + r): aligned "
     "and view tensors alias the actor's compute weights, rebuilt ones (fused, resharded, padded) are "
-    "engine-owned buffers; rollout_weights = the largest rebuilt bytes of any device")
+    "engine-owned buffers; rollout_weights = the largest rebuilt bytes of any device, held in every phase by one "
+    "process (refilled after each update), during the rollout only with several (--process_devices: all-gathered "
+    "before each rollout, the weight sync per rank)")
 
 
 def _zeros() -> dict:

@@ -189,7 +189,11 @@ def rollplex(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel, s:
     rp = {p: dict.fromkeys(CLASSES, 0.0) for p in PHASES}
     for p in PHASES:
         c = rp[p]
-        c.update(compute_weights=s.compute, ref_weights=s.ref, rollout_weights=s.rebuilt, other=other(copies[p], p))
+        # several processes (one per device on GPUs): each engine's copy of the split weights is all-gathered
+        # before the rollout and freed after it (multihost.ReplicatedCopy); one process keeps its engine's rebuilt
+        # buffers between steps (refilled after each update)
+        engine = s.rebuilt if cfg.mesh.processes == 1 or p == "rollout" else 0.0
+        c.update(compute_weights=s.compute, ref_weights=s.ref, rollout_weights=engine, other=other(copies[p], p))
         on = (not offload) or p == "update"
         c["master_weights"] = (s.master / chunks if offload else s.master) if on else 0.0
         c["optimizer_state"] = (s.moments / chunks if offload else s.moments) if on else 0.0
