@@ -312,10 +312,12 @@ class VLLMEngine:
         use_plain_linear(self.model)
         self.tensors: tuple[RankTensor, ...] = ()
         self._binder: ShardedBinder | None = None
+        self._position = 0
         self._aligned_ptrs: set[int] = set()
         self.bound = False
 
-    def _init_binding(self, tensors: tuple[RankTensor, ...], shards: Mapping[str, Sequence[Shard]]) -> None:
+    def _init_binding(self, tensors: tuple[RankTensor, ...], shards: Mapping[str, Sequence[Shard]],
+                      position: int) -> None:
         check_layout("vLLM", self.params, tensors, same_size=True)
         for rt in tensors:
             dt = str(self.params[rt.target].dtype).removeprefix("torch.")
@@ -325,19 +327,21 @@ class VLLMEngine:
                 have = str(shards[s][0].array.dtype)
                 if have != dt:
                     raise ValueError(f"{s} is {have} but vLLM's {rt.target} is {dt}: {fix}")
-        self.tensors, self._binder = tensors, ShardedBinder({0: tensors})
+        self.tensors, self._binder, self._position = tensors, ShardedBinder({position: tensors}), position
 
     def bind(self, tensors: Sequence[RankTensor], shards: Mapping[str, Sequence[Shard]], *,
-             refilled: bool = False) -> None:
+             refilled: bool = False, position: int = 0) -> None:
         """Points vLLM at the actor's current shards (views; rebuilt buffers refilled in place). ``tensors``:
-        the ``vllm`` (or ``vllm_text``) layout as the trainer classified it for the rank at position 0;
+        the ``vllm`` (or ``vllm_text``) layout as the trainer classified it for this engine's rank, the one at
+        device ``position`` (a TP rank of an engine built with ``tensor_parallel_size`` and
+        ``distributed_executor_backend="external_launcher"``: one process per rank, its position its device's);
         ``refilled``: ``refill`` already copied these shards into the rebuilt buffers (only views are made)."""
         tensors = tuple(tensors)
-        if tensors != self.tensors:
-            self._init_binding(tensors, shards)
+        if tensors != self.tensors or position != self._position:
+            self._init_binding(tensors, shards, position)
             refilled = False
         self.kv.restore()
-        bound = self._binder.bind(shards, fill=not refilled)[0]
+        bound = self._binder.bind(shards, fill=not refilled)[position]
         ptrs = set()
         with torch.no_grad():
             for rt in self.tensors:

@@ -172,10 +172,10 @@ def test_plot_helpers_and_readme_figures(tmp_path):
 
 @pytest.mark.parametrize("engine, match", [("hf", "has no tensor parallelism; tensor-parallel decoding needs "
                                                   "--engine=vllm"),
-                                           ("vllm", "vLLM ranks across processes .* not built yet")])
+                                           ("vllm", "does not start vLLM ranks across processes yet")])
 def test_rollout_tp_refused_naming_the_engine(engine, match):
-    """Issue 33 item 4: the transformers engine refuses --rollout_tp > 1 naming vLLM; vLLM's TP ranks across
-    processes are not built, which the error says (before any model is built)."""
+    """Issue 33 item 4: the transformers engine refuses --rollout_tp > 1 naming vLLM; the runtime does not start
+    vLLM's TP ranks across processes yet, which the error says (before any model is built)."""
     from rollplex_jax.parallel.multihost import Processes
     from rollplex_jax.run.setup import check_mesh
 

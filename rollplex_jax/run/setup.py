@@ -75,10 +75,11 @@ def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
                               "parallelism; tensor-parallel decoding needs --engine=vllm. With --rollout_tp=1 every "
                               "process's engine decodes its share of the prompts: start one process per device "
                               "(README, SLURM) to decode on every device.")
-        raise ConfigError(f"--rollout_tp={m.rollout_tp} --engine=vllm: vLLM ranks across processes (its external "
-                          "launcher) are not built yet, so a TP group cannot decode; use --rollout_tp=1 (one engine "
-                          "per process, each decoding its share). `python -m launch.plan` plans and classifies "
-                          "the TP layout.")
+        raise ConfigError(f"--rollout_tp={m.rollout_tp} --engine=vllm: the trainer does not start vLLM ranks across "
+                          "processes yet (an engine rank binds to its device's training shards: "
+                          "tests_vllm/test_vllm_tp.py; the rollout split per TP group is not built), so a TP group "
+                          "cannot decode in a run; use --rollout_tp=1 (one engine per process, each decoding its "
+                          "share). `python -m launch.plan` plans and classifies the TP layout.")
 
 
 def resolve_process_devices(cfg: Config, procs: multihost.Processes) -> Config:

@@ -324,7 +324,7 @@ def device_shards(params: Mapping[str, jax.Array], order: Sequence[jax.Device] |
     out = {}
     for name, a in params.items():
         shards = a.addressable_shards
-        if len(shards) == 1 and shards[0].device in pos:  # unsharded: the array itself (same buffer)
+        if len(shards) == 1 and shards[0].device in pos and a.is_fully_addressable:  # unsharded: the array itself
             out[name] = [Shard(pos[shards[0].device], full_box(a.shape), a)]
             continue
         out[name] = [Shard(pos[s.device], _index_box(s.index, a.shape), s.data) for s in shards
