@@ -69,9 +69,10 @@ def _launch(cmd: list[str], workdir, env=({}, {}), stdout=subprocess.PIPE, devic
 # (mesh flags, devices per process): two processes of 2 devices, and one process per device (issue 33: the
 # layout on GPUs, each device decoding its share with an engine of its own) on fsdp 2 (the engine reads an
 # all-gathered copy of the split params) and dp 2 (every param whole on each device: the engine views the
-# training shard, nothing gathered)
+# training shard, nothing gathered); the fsdp 2 one with 2 mini-batches, so the step reads the trainer's log-probs
+# under theta_k, whose rows span the processes (rollout/logprob_abs_diff_*: it crashed, reading them on the host)
 MESHES = [(("--train_fsdp=2", "--train_tp=2"), 2), (("--train_dp=2", "--train_fsdp=2", "--eps=1e-6"), 2),
-          (("--train_fsdp=2",), 1), (("--train_dp=2", "--eps=1e-6"), 1)]
+          (("--train_fsdp=2", "--mini_batches=2"), 1), (("--train_dp=2", "--eps=1e-6"), 1)]
 
 
 @pytest.fixture(scope="module", params=MESHES, ids=["fsdp2xtp2", "dp2xfsdp2", "fsdp2_per_device", "dp2_per_device"])

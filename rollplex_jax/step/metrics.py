@@ -32,6 +32,7 @@ import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import ModelConfig
+from rollplex_jax.programs.actor import mismatch_sums
 
 _REWARD_NAMES = ("mean", "std", "failures", "overall")
 
@@ -101,11 +102,11 @@ def total_tokens(prompts: Prompts, rollouts: Rollouts) -> int:
 def logprob_mismatch(engine, trainer, mask) -> dict[str, float]:
     """``rollout/logprob_abs_diff_{mean,max}`` of the engine's and the trainer's log-probs [B*G, Tr] over the answer
     tokens (``mask`` > 0)."""
-    # On the device, not np.asarray: with one process per device the trainer's rows span processes (not
-    # addressable here); the sums are replicated scalars every process can read.
-    keep = jnp.asarray(mask) > 0
-    d = jnp.where(keep, jnp.abs(jnp.asarray(engine, jnp.float32) - jnp.asarray(trainer, jnp.float32)), 0.0)
-    return mismatch_metrics(float(d.sum()), float(d.max(initial=0.0)), float(keep.sum()))
+    # On the device (the gradient programs' own sums), not np.asarray: with one process per device the trainer's
+    # rows span processes (not addressable here); the sums are replicated scalars every process can read.
+    sums = mismatch_sums(jnp.asarray(trainer, jnp.float32), jnp.asarray(engine, jnp.float32), jnp.asarray(mask) > 0)
+    return mismatch_metrics(*(float(sums[k]) for k in ("logprob_abs_diff_sum", "logprob_abs_diff_max",
+                                                         "logprob_tokens")))
 
 
 def mismatch_metrics(total: float | None, largest: float | None, tokens: float | None) -> dict[str, float]:
