@@ -1,7 +1,7 @@
-"""Rollout with transformers' Qwen2.5-VL, its weights bound zero-copy from the actor.
+"""Rollout with transformers' Qwen2.5-VL or Qwen3-VL, its weights bound zero-copy from the actor.
 
-The torch model is built from a Qwen2.5-VL ``config.json`` dict on the ``meta`` device (no weight
-memory, no download); ``bind`` then installs the actor's shards as its parameters, as the trainer
+The torch model is built from the model's ``config.json`` dict (its ``model_type`` picks the class) on the
+``meta`` device (no weight memory, no download); ``bind`` then installs the actor's shards as its parameters, as the trainer
 classified them (``rollplex_contract.layout``): on one device every tensor is ``aligned`` (a DLPack
 view: 100% shared, nothing rebuilt). With params sharded over a training mesh (e.g. fsdp=4) the
 engine (no tensor parallelism) runs on the mesh's first device (in a job of several processes, each process's
@@ -27,6 +27,8 @@ from transformers import (
     LogitsProcessor,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
 )
 
 from rollout_torch import hf_decode
@@ -34,13 +36,21 @@ from rollout_torch.weights import ShardedBinder, check_layout
 from rollplex_contract.batch import Prompts, Rollouts, SamplingParams, items_per_row
 from rollplex_contract.layout import RankTensor, Shard, SharingReport
 
+# config.json's model_type -> transformers' (config, model) classes
+MODEL_CLASSES = {"qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+                 "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration)}
 
-def _build_meta_model(hf_config: Mapping[str, Any]) -> Qwen2_5_VLForConditionalGeneration:
+
+def _build_meta_model(hf_config: Mapping[str, Any]):
     """The torch module tree with meta parameters and real (CPU) rotary buffers."""
-    hf_cfg = Qwen2_5_VLConfig(**hf_config)
+    kind = hf_config.get("model_type", "qwen2_5_vl")
+    if kind not in MODEL_CLASSES:
+        raise ValueError(f"the transformers engine runs {', '.join(MODEL_CLASSES)}, not model_type={kind!r}")
+    config_cls, model_cls = MODEL_CLASSES[kind]
+    hf_cfg = config_cls(**hf_config)
     hf_cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = Qwen2_5_VLForConditionalGeneration(hf_cfg)
+        model = model_cls(hf_cfg)
     lm, vis = model.model.language_model, model.model.visual
     lm.rotary_emb = type(lm.rotary_emb)(config=lm.config)  # inv_freq buffers are computed, not loaded
     vis.rotary_pos_emb = type(vis.rotary_pos_emb)(vis.config)
@@ -59,10 +69,10 @@ def _set_param(model, name: str, tensor: torch.Tensor) -> None:
 
 
 class HFEngine:
-    """transformers Qwen2.5-VL generation over DLPack views of the actor's parameters.
+    """transformers Qwen2.5-VL / Qwen3-VL generation over DLPack views of the actor's parameters.
 
     Args:
-        hf_config: the model's ``config.json`` dict (Qwen2.5-VL, transformers 5 layout).
+        hf_config: the model's ``config.json`` dict (Qwen2.5-VL or Qwen3-VL, transformers 5 layout).
         max_batch: most sequences generated at once.
         share_prefill: each distinct prompt of a chunk is prefilled once for its answers (False: once per
             answer, as ``generate`` does; for benchmarks: ``launch.bench_rollout``).

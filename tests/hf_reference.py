@@ -1,4 +1,4 @@
-"""Helpers for parity tests: tiny random transformers Qwen2.5-VL models and their inputs.
+"""Helpers for parity tests: tiny random transformers Qwen2.5-VL and Qwen3-VL models and their inputs.
 
 Everything is built in the test process (no download). Only tests import this module.
 """
@@ -7,15 +7,24 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
 
 from rollplex_jax.config import ModelConfig
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import normalize_name
 
 
-def hf_model(cfg: ModelConfig, seed: int = 0, attn: str = "eager") -> Qwen2_5_VLForConditionalGeneration:
+def hf_model(cfg: ModelConfig, seed: int = 0, attn: str = "eager"):
+    """transformers' model of ``cfg``'s family, random (norms and biases too), fp32, eval."""
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**cfg.to_hf_dict()))
+    if cfg.family == "qwen3_vl":
+        model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**cfg.to_hf_dict()))
+    else:
+        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**cfg.to_hf_dict()))
     # transformers' init leaves norms at 1 and biases at 0: randomise them so parity covers them.
     with torch.no_grad():
         for _, p in model.named_parameters():
@@ -45,7 +54,9 @@ def params_of(model, cfg: ModelConfig) -> dict:
 def mm_inputs(cfg: ModelConfig, rows: list[list], rng: np.random.Generator):
     """Builds left-padded rows from specs: ints are text tokens, ('image', (t,h,w)) / ('video', (t,h,w)).
 
-    Returns numpy input_ids, attention_mask, pixel_values (images then videos), image and video grids.
+    A Qwen3-VL video is written as its processor writes it: per temporal step a timestamp (two text tokens
+    here), then the frame's pads between vision start and end. Returns numpy input_ids, attention_mask,
+    pixel_values (images then videos), image and video grids.
     """
     merge = cfg.vision.spatial_merge_size**2
     seqs, img_grids, vid_grids, img_pix, vid_pix = [], [], [], [], []
@@ -59,6 +70,11 @@ def mm_inputs(cfg: ModelConfig, rows: list[list], rng: np.random.Generator):
                 tok = cfg.image_token_id if kind == "image" else cfg.video_token_id
                 (img_grids if kind == "image" else vid_grids).append(grid)
                 (img_pix if kind == "image" else vid_pix).append(pix)
+                if kind == "video" and cfg.family == "qwen3_vl":
+                    frame = n // grid[0] // merge
+                    for f in range(grid[0]):
+                        seq += [30 + f, 40] + [cfg.vision_start_token_id] + [tok] * frame + [cfg.vision_end_token_id]
+                    continue
                 seq += [cfg.vision_start_token_id] + [tok] * (n // merge) + [cfg.vision_end_token_id]
             else:
                 seq.append(int(item))

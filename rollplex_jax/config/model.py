@@ -18,6 +18,8 @@ DTYPES = ("float32", "bfloat16")
 # float16 only as the CPU compile's stand-in for bfloat16 (aot.CPU_STANDIN: memory analysis, never run); the
 # --dtype flag offers DTYPES.
 INTERNAL_DTYPES = ("float16",)
+# The model families (HF's ``model_type``): ``models/family.py`` gives each one's code.
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 
 class ConfigError(ValueError):
@@ -47,6 +49,18 @@ class VisionConfig:
     rope_theta: float = 10000.0
     tokens_per_second: int = 2
     hidden_act: str = "silu"
+    # Qwen3-VL (``ModelConfig.family``): a learned num_position_embeddings-entry position table interpolated to
+    # each frame's grid (0: none), and the blocks whose outputs go through their own mergers into the first
+    # decoder layers (DeepStack). window_size 0: no windows (every block attends to whole frames).
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple[int, ...] = ()
+    # The image processor's normalization (preprocessor_config.json's, not config.json's): OpenAI CLIP's for
+    # Qwen2.5-VL, 0.5 / 0.5 for Qwen3-VL (``hf_config.py`` sets it by family).
+    image_mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
+    # Qwen3-VL's videos: each temporal step written as "<t seconds>" + its frame's pads between vision start and
+    # end (``tokenizer.render_messages``); its positions take time from that text, not from tokens_per_second.
+    video_timestamps: bool = False
     # Parameter layout, not architecture (never in config.json): fused rows interleaved per this many
     # tensor-parallel ranks (models/qwen2_5_vl/fused.py); qkv_groups / mlp_groups: what divides evenly.
     fuse_groups: int = 1
@@ -54,8 +68,9 @@ class VisionConfig:
     def __post_init__(self):
         _require(self.fuse_groups >= 1, "vision.fuse_groups", self.fuse_groups, "must be >= 1")
         for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size",
-                     "spatial_merge_size", "temporal_patch_size", "window_size", "out_hidden_size"):
+                     "spatial_merge_size", "temporal_patch_size", "out_hidden_size"):
             _require(getattr(self, name) > 0, f"vision.{name}", getattr(self, name), "must be > 0")
+        _require(self.window_size >= 0, "vision.window_size", self.window_size, "must be >= 0 (0: no windows)")
         _require(self.hidden_size % self.num_heads == 0, "vision.num_heads", self.num_heads,
                  f"must divide vision.hidden_size={self.hidden_size}")
         _require(self.head_dim % 4 == 0, "vision.hidden_size", self.hidden_size,
@@ -66,6 +81,12 @@ class VisionConfig:
         _require(all(0 <= i < self.depth for i in self.fullatt_block_indexes),
                  "vision.fullatt_block_indexes", self.fullatt_block_indexes,
                  f"each index must be in [0, depth={self.depth})")
+        _require(all(0 <= i < self.depth for i in self.deepstack_visual_indexes),
+                 "vision.deepstack_visual_indexes", self.deepstack_visual_indexes,
+                 f"each index must be in [0, depth={self.depth})")
+        side = math.isqrt(self.num_position_embeddings)
+        _require(self.num_position_embeddings >= 0 and side * side == self.num_position_embeddings,
+                 "vision.num_position_embeddings", self.num_position_embeddings, "must be a square (or 0: none)")
         _require(self.hidden_act in ("silu", "gelu", "gelu_pytorch_tanh", "quick_gelu"),
                  "vision.hidden_act", self.hidden_act, "one of silu, gelu, gelu_pytorch_tanh, quick_gelu")
 
@@ -90,8 +111,15 @@ class VisionConfig:
 
     @property
     def merger_window(self) -> int:
-        """Window side in merged (LLM) tokens."""
-        return self.window_size // self.spatial_merge_size // self.patch_size
+        """Window side in merged (LLM) tokens; 1 without windows (``window_size`` 0: the layout's windows are
+        then single merge units, which no block attends over)."""
+        return max(1, self.window_size // self.spatial_merge_size // self.patch_size)
+
+    @property
+    def embed_width(self) -> int:
+        """Width of one vision token's embeddings as the tower returns them: the merger's output, then each
+        DeepStack merger's, side by side (the vision buffer's row, ``vision_chunks.py``)."""
+        return self.out_hidden_size * (1 + len(self.deepstack_visual_indexes))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,6 +137,12 @@ class TextConfig:
     mrope_section: tuple[int, int, int] = (16, 24, 24)
     max_position_embeddings: int = 128000
     hidden_act: str = "silu"
+    # Qwen3 decoder: an explicit head_dim (0: hidden_size / num_attention_heads), q/k/v biases (Qwen2's), an RMSNorm
+    # on each head's q and k, and M-RoPE's t/h/w bands interleaved instead of in three blocks.
+    attention_head_dim: int = 0
+    qkv_bias: bool = True
+    qk_norm: bool = False
+    mrope_interleaved: bool = False
     # Parameter layout (see VisionConfig.fuse_groups) and the vocabulary rows' padding multiple (vLLM: 64).
     fuse_groups: int = 1
     vocab_multiple: int = 1
@@ -119,8 +153,11 @@ class TextConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads"):
             _require(getattr(self, name) > 0, f"text.{name}", getattr(self, name), "must be > 0")
-        _require(self.hidden_size % self.num_attention_heads == 0, "text.num_attention_heads",
-                 self.num_attention_heads, f"must divide text.hidden_size={self.hidden_size}")
+        _require(self.attention_head_dim > 0 or self.hidden_size % self.num_attention_heads == 0,
+                 "text.num_attention_heads", self.num_attention_heads,
+                 f"must divide text.hidden_size={self.hidden_size} (or give text.head_dim)")
+        _require(self.attention_head_dim >= 0 and self.attention_head_dim % 2 == 0, "text.head_dim",
+                 self.attention_head_dim, "must be even and >= 0 (0: hidden_size / num_attention_heads)")
         _require(self.num_attention_heads % self.num_key_value_heads == 0, "text.num_key_value_heads",
                  self.num_key_value_heads, f"must divide num_attention_heads={self.num_attention_heads}")
         _require(len(self.mrope_section) == 3 and sum(self.mrope_section) * 2 == self.head_dim,
@@ -130,7 +167,7 @@ class TextConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def num_groups(self) -> int:
@@ -154,8 +191,10 @@ class TextConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A whole Qwen2.5-VL model: vision tower, decoder, special token ids and dtype."""
+    """A whole model of one family (``FAMILIES``: HF's ``model_type``): vision tower, decoder, special token ids
+    and dtype."""
 
+    family: str = "qwen2_5_vl"
     vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
     text: TextConfig = dataclasses.field(default_factory=TextConfig)
     tie_word_embeddings: bool = False
@@ -170,6 +209,17 @@ class ModelConfig:
 
     def __post_init__(self):
         _require(self.dtype in DTYPES + INTERNAL_DTYPES, "model.dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        _require(self.family in FAMILIES, "model.family", self.family, f"one of {', '.join(FAMILIES)}")
+        qwen3 = self.family == "qwen3_vl"
+        v = self.vision
+        _require((v.window_size == 0) == qwen3, "vision.window_size", v.window_size,
+                 "Qwen3-VL has no windows (0); Qwen2.5-VL needs them (> 0)")
+        _require((v.num_position_embeddings > 0) == qwen3, "vision.num_position_embeddings",
+                 v.num_position_embeddings, "Qwen3-VL needs its position table (> 0); Qwen2.5-VL has none (0)")
+        _require(qwen3 or not v.deepstack_visual_indexes, "vision.deepstack_visual_indexes",
+                 v.deepstack_visual_indexes, "DeepStack is Qwen3-VL's (empty for Qwen2.5-VL)")
+        _require(len(v.deepstack_visual_indexes) <= self.text.num_hidden_layers, "vision.deepstack_visual_indexes",
+                 v.deepstack_visual_indexes, f"at most text.num_hidden_layers={self.text.num_hidden_layers} taps")
         _require(self.vision.out_hidden_size == self.text.hidden_size, "vision.out_hidden_size",
                  self.vision.out_hidden_size, f"must equal text.hidden_size={self.text.hidden_size}")
         for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
@@ -189,60 +239,13 @@ class ModelConfig:
         """The same model with the checkpoint's own layout (no groups, no padding)."""
         return self.with_param_layout(1, 1)
 
-    # --- Hugging Face config.json <-> ModelConfig -------------------------------------------
+    # --- Hugging Face config.json <-> ModelConfig (``hf_config.py``) -------------------------
     @classmethod
     def from_hf_dict(cls, d: dict, dtype: str | None = None) -> ModelConfig:
-        """Builds a config from a Qwen2.5-VL ``config.json`` dict (transformers 4.x or 5.x layout)."""
-        if d.get("model_type") not in (None, "qwen2_5_vl"):
-            raise ConfigError(f"model_type={d.get('model_type')!r} is not supported: expected 'qwen2_5_vl'")
-        t = dict(d.get("text_config") or {})
-        for k, v in d.items():  # transformers 4.x kept text fields at the top level
-            if k not in ("text_config", "vision_config") and k not in t:
-                t[k] = v
-        v = d.get("vision_config") or {}
-        rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
-        vrope = v.get("rope_parameters") or {}
-        hidden = t.get("hidden_size", TextConfig.hidden_size)
-        text = TextConfig(
-            vocab_size=t.get("vocab_size", TextConfig.vocab_size),
-            hidden_size=hidden,
-            intermediate_size=t.get("intermediate_size", TextConfig.intermediate_size),
-            num_hidden_layers=t.get("num_hidden_layers", TextConfig.num_hidden_layers),
-            num_attention_heads=t.get("num_attention_heads", TextConfig.num_attention_heads),
-            num_key_value_heads=t.get("num_key_value_heads", TextConfig.num_key_value_heads),
-            rms_norm_eps=t.get("rms_norm_eps", TextConfig.rms_norm_eps),
-            rope_theta=rope.get("rope_theta", t.get("rope_theta", TextConfig.rope_theta)),
-            mrope_section=tuple(rope.get("mrope_section", TextConfig.mrope_section)),
-            max_position_embeddings=t.get("max_position_embeddings", TextConfig.max_position_embeddings),
-            hidden_act=t.get("hidden_act", "silu"),
-        )
-        vision = VisionConfig(
-            depth=v.get("depth", VisionConfig.depth),
-            hidden_size=v.get("hidden_size", VisionConfig.hidden_size),
-            intermediate_size=v.get("intermediate_size", VisionConfig.intermediate_size),
-            num_heads=v.get("num_heads", VisionConfig.num_heads),
-            in_channels=v.get("in_channels", v.get("in_chans", 3)),
-            patch_size=v.get("patch_size", VisionConfig.patch_size),
-            spatial_merge_size=v.get("spatial_merge_size", VisionConfig.spatial_merge_size),
-            temporal_patch_size=v.get("temporal_patch_size", VisionConfig.temporal_patch_size),
-            window_size=v.get("window_size", VisionConfig.window_size),
-            out_hidden_size=v.get("out_hidden_size", hidden),
-            fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", VisionConfig.fullatt_block_indexes)),
-            rope_theta=vrope.get("rope_theta", 10000.0),
-            tokens_per_second=v.get("tokens_per_second", VisionConfig.tokens_per_second),
-            hidden_act=v.get("hidden_act", "silu"),
-        )
-        tie = d.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
-        ids = {k: d.get(k, t.get(k, getattr(cls, k, None))) for k in (
-            "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
-            "bos_token_id", "eos_token_id", "pad_token_id")}
-        ids = {k: (val[0] if isinstance(val, list) else val) for k, val in ids.items()}
-        ids = {k: val for k, val in ids.items() if val is not None}
-        if ids.get("pad_token_id") is None:
-            ids["pad_token_id"] = ids.get("eos_token_id", 0)
-        if dtype is None:
-            dtype = {"bfloat16": "bfloat16"}.get(d.get("dtype", d.get("torch_dtype")), "float32")
-        return cls(vision=vision, text=text, tie_word_embeddings=bool(tie), dtype=dtype, **ids)
+        """Builds a config from a Qwen2.5-VL or Qwen3-VL ``config.json`` dict (transformers 4.x or 5.x layout)."""
+        from rollplex_jax.config.hf_config import model_kwargs
+
+        return cls(**model_kwargs(d, dtype))
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike, dtype: str | None = None) -> ModelConfig:
@@ -256,40 +259,10 @@ class ModelConfig:
         return cls.from_hf_dict(d, dtype=dtype)
 
     def to_hf_dict(self) -> dict:
-        """The ``config.json`` dict transformers 5 writes for this model (loadable by 4.x too)."""
-        t, v = self.text, self.vision
-        return {
-            "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-            "model_type": "qwen2_5_vl",
-            "dtype": self.dtype,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "image_token_id": self.image_token_id,
-            "video_token_id": self.video_token_id,
-            "vision_start_token_id": self.vision_start_token_id,
-            "vision_end_token_id": self.vision_end_token_id,
-            "text_config": {
-                "model_type": "qwen2_5_vl_text",
-                "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
-                "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_hidden_layers,
-                "num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
-                "rms_norm_eps": t.rms_norm_eps, "hidden_act": t.hidden_act,
-                "max_position_embeddings": t.max_position_embeddings,
-                "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta,
-                                    "mrope_section": list(t.mrope_section)},
-                "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-                "pad_token_id": self.pad_token_id, "tie_word_embeddings": self.tie_word_embeddings,
-            },
-            "vision_config": {
-                "model_type": "qwen2_5_vl_vision",
-                "depth": v.depth, "hidden_size": v.hidden_size, "intermediate_size": v.intermediate_size,
-                "num_heads": v.num_heads, "in_channels": v.in_channels, "patch_size": v.patch_size,
-                "spatial_merge_size": v.spatial_merge_size, "temporal_patch_size": v.temporal_patch_size,
-                "window_size": v.window_size, "out_hidden_size": v.out_hidden_size,
-                "fullatt_block_indexes": list(v.fullatt_block_indexes), "hidden_act": v.hidden_act,
-                "tokens_per_second": v.tokens_per_second,
-                "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
-            },
-        }
+        """The ``config.json`` dict transformers 5 writes for this model (a Qwen2.5-VL one loads in 4.x too)."""
+        from rollplex_jax.config.hf_config import hf_dict
+
+        return hf_dict(self)
 
 
 def tiny_model_config(**overrides) -> ModelConfig:
@@ -309,3 +282,23 @@ def tiny_model_config(**overrides) -> ModelConfig:
                vision_end_token_id=249, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     ids.update(overrides)
     return ModelConfig(vision=VisionConfig(**vision), text=TextConfig(**text), **ids)
+
+
+def tiny_qwen3_vl_config(**overrides) -> ModelConfig:
+    """A tiny Qwen3-VL-shaped model (tests): patch 16, a 4x4 learned position table, DeepStack from vision block 0
+    into decoder layer 0, text width 64 with GQA 4:2 and an explicit head_dim of 32 (not 64 / 4)."""
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, window_size=0,
+                  image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), video_timestamps=True,
+                  out_hidden_size=64, fullatt_block_indexes=(0, 1), hidden_act="gelu_pytorch_tanh",
+                  num_position_embeddings=16, deepstack_visual_indexes=(0,), tokens_per_second=1)
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, attention_head_dim=32,
+                mrope_section=(6, 5, 5), max_position_embeddings=4096, qkv_bias=False, qk_norm=True,
+                mrope_interleaved=True)
+    vision.update(overrides.pop("vision", {}))
+    vision["fullatt_block_indexes"] = tuple(range(vision["depth"]))
+    text.update(overrides.pop("text", {}))
+    ids = dict(image_token_id=250, video_token_id=251, vision_start_token_id=248,
+               vision_end_token_id=249, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    ids.update(overrides)
+    return ModelConfig(family="qwen3_vl", vision=VisionConfig(**vision), text=TextConfig(**text), **ids)

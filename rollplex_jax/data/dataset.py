@@ -103,6 +103,7 @@ class _Rows:
     video_start: np.ndarray  # int64 [rows + 1]
     video_thw: np.ndarray  # int32 [videos, 3]: grid (t, h, w)
     video_spgt: np.ndarray  # float32 [videos]: seconds per temporal grid step
+    video_times: np.ndarray  # float64 [sum of the videos' t]: each temporal step's time (step_timestamps)
     tok: Tokenizer
     vision: VisionConfig
     opts: LoadOptions
@@ -114,6 +115,14 @@ class _Rows:
         v = slice(self.video_start[r], self.video_start[r + 1])
         return images, self.video_thw[v].astype(np.int64).reshape(-1, 3), self.video_spgt[v].astype(np.float32)
 
+    def timestamps(self, r: int) -> list[tuple[float, ...]] | None:
+        """Row ``r``'s videos' step times where prompts write them (``VisionConfig.video_timestamps``), else None."""
+        if not self.vision.video_timestamps:
+            return None
+        steps = np.concatenate([[0], np.cumsum(self.video_thw[:, 0])]).astype(np.int64)
+        first, last = self.video_start[r], self.video_start[r + 1]
+        return [tuple(self.video_times[steps[v]:steps[v + 1]].tolist()) for v in range(first, last)]
+
     def example(self, r: int) -> Example:
         """Row ``r``'s example: its row re-read and its prompt rendered again (checked against load time)."""
         i = int(self.src[r])
@@ -122,7 +131,8 @@ class _Rows:
         images, videos, spgt = self.grids(r)
         m = self.vision.spatial_merge_size
         ids = np.asarray(render_messages(self.tok, parsed.messages, [num_merged_tokens(g, m) for g in images],
-                                         [num_merged_tokens(g, m) for g in videos]), np.int32)
+                                         [num_merged_tokens(g, m) for g in videos],
+                                         video_timestamps=self.timestamps(r)), np.int32)
         if len(ids) != self.prompt_len[r]:
             raise DataError(f"{where}: the prompt renders to {len(ids)} tokens now, {self.prompt_len[r]} at load "
                             "time: the dataset changed since it was loaded; restart the run on it as it is now")
@@ -273,12 +283,12 @@ def load_dataset(path: str | os.PathLike, tok: Tokenizer, vision: VisionConfig, 
     base = rows_lib.media_base(path, opts.fmt)
     checker = RowChecker(tok, vision, opts, base, log)
     cols = {k: array.array("q") for k in ("src", "prompt_len", "vision_tokens", "n_images", "n_videos")}
-    image_hw, video_thw, spgt = array.array("i"), array.array("i"), array.array("f")
+    image_hw, video_thw, spgt, times = array.array("i"), array.array("i"), array.array("f"), array.array("d")
     for i, row in enumerate(_progress(source)):
         kept = checker.check(source.where(i), row)
         if kept is None:
             continue
-        n, hw, thw, secs, vision_tokens = kept
+        n, hw, thw, secs, vision_tokens, steps = kept
         for key, value in (("src", i), ("prompt_len", n), ("vision_tokens", vision_tokens), ("n_images", len(hw)),
                            ("n_videos", len(thw))):
             cols[key].append(value)
@@ -287,6 +297,8 @@ def load_dataset(path: str | os.PathLike, tok: Tokenizer, vision: VisionConfig, 
         for g in thw:
             video_thw.extend(g)
         spgt.extend(secs)
+        for t in steps:
+            times.extend(t)
     rep = checker.report
     rep.kept = len(cols["src"])
     skipped = rep.skipped_text(opts.max_prompt_len)
@@ -305,7 +317,8 @@ def load_dataset(path: str | os.PathLike, tok: Tokenizer, vision: VisionConfig, 
                  vision_tokens=a["vision_tokens"].astype(np.int32), image_start=starts(a["n_images"]),
                  image_hw=np.frombuffer(image_hw, np.int32).reshape(-1, 2).copy(), video_start=starts(a["n_videos"]),
                  video_thw=np.frombuffer(video_thw, np.int32).reshape(-1, 3).copy(),
-                 video_spgt=np.frombuffer(spgt, np.float32).copy(), tok=tok, vision=vision, opts=opts,
+                 video_spgt=np.frombuffer(spgt, np.float32).copy(), video_times=np.frombuffer(times, np.float64).copy(),
+                 tok=tok, vision=vision, opts=opts,
                  cache=PatchCache(opts.cache_bytes))
     return Dataset(rows), rep
 

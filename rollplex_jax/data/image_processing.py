@@ -33,8 +33,8 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from rollplex_jax.config import VisionConfig
 
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+OPENAI_CLIP_MEAN = VisionConfig.image_mean  # Qwen2.5-VL's normalization (VisionConfig's defaults)
+OPENAI_CLIP_STD = VisionConfig.image_std
 RESCALE_FACTOR = 1 / 255
 MAX_ASPECT_RATIO = 200
 RESAMPLE = Image.Resampling.BICUBIC
@@ -195,20 +195,22 @@ def probe_image(path: str | os.PathLike | bytes, name: str | None = None) -> tup
     return (width, height) if orientation in _TRANSPOSING else (height, width)
 
 
-def _normalized_frame(image: Image.Image, height: int, width: int) -> np.ndarray:
-    """RGB-converts, BICUBIC-resizes, rescales and CLIP-normalizes one image.
+def _normalized_frame(image: Image.Image, height: int, width: int, vision: VisionConfig) -> np.ndarray:
+    """RGB-converts, BICUBIC-resizes, rescales and normalizes one image (``vision.image_mean`` / ``image_std``:
+    CLIP's for Qwen2.5-VL, 0.5 for Qwen3-VL).
 
     Args:
         image: A PIL image in any mode.
         height: Target height (a multiple of the patch factor).
         width: Target width.
+        vision: Supplies the normalization.
 
     Returns:
         float32 array ``[3, height, width]``; same operations and dtypes as transformers.
     """
     rgb = to_rgb(image).resize((width, height), resample=RESAMPLE)
     x = (np.asarray(rgb).astype(np.float64) * RESCALE_FACTOR).astype(np.float32)
-    x = (x - np.asarray(OPENAI_CLIP_MEAN, np.float32)) / np.asarray(OPENAI_CLIP_STD, np.float32)
+    x = (x - np.asarray(vision.image_mean, np.float32)) / np.asarray(vision.image_std, np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1))
 
 
@@ -263,7 +265,7 @@ def preprocess_images(images: list[Image.Image], vision: VisionConfig, min_pixel
     rows, grids = [], []
     for image in images:
         height, width = smart_resize(image.height, image.width, factor, min_pixels, max_pixels)
-        frame = _normalized_frame(image, height, width)
+        frame = _normalized_frame(image, height, width, vision)
         patches, grid = _patchify(frame[None], vision.patch_size, vision.spatial_merge_size,
                                   vision.temporal_patch_size)
         rows.append(patches)
@@ -314,7 +316,7 @@ def preprocess_video_at(frames: list[Image.Image], vision: VisionConfig, height:
     if height < factor or width < factor or height % factor or width % factor:
         raise ValueError(f"video frame size {height}x{width} (height x width) is not a positive multiple of "
                          f"{factor} (patch_size x spatial_merge_size); size it with smart_resize")
-    stacked = np.stack([_normalized_frame(f, height, width) for f in frames])
+    stacked = np.stack([_normalized_frame(f, height, width, vision) for f in frames])
     patches, grid = _patchify(stacked, vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
     return patches, np.asarray([grid], dtype=np.int64)
 

@@ -158,9 +158,10 @@ class RowChecker:
         return (f"warning: {sum(self.unshown.values())} more rows skipped without a line each ({causes}); the first "
                 f"{MAX_ROW_WARNINGS} are above, the summary below counts every cause")
 
-    def _prompt_len(self, where: str, parsed: rows_lib.ParsedRow, n_img: list[int], n_vid: list[int]) -> int:
+    def _prompt_len(self, where: str, parsed: rows_lib.ParsedRow, n_img: list[int], n_vid: list[int],
+                    times: list | None) -> int:
         try:
-            n = len(render_messages(self.tok, parsed.messages, n_img, n_vid))
+            n = len(render_messages(self.tok, parsed.messages, n_img, n_vid, video_timestamps=times))
             if parsed.answer not in self._answers:
                 self.tok.encode(parsed.answer)
                 self._answers.add(parsed.answer)
@@ -169,8 +170,8 @@ class RowChecker:
         return n
 
     def check(self, where: str, row: dict) -> tuple | None:
-        """``(prompt length, image grids (h, w), video grids (t, h, w), seconds per step, vision tokens)`` of a
-        kept row; None (logged, counted) for a skipped one."""
+        """``(prompt length, image grids (h, w), video grids (t, h, w), seconds per step, vision tokens, each video's
+        step times)`` of a kept row; None (logged, counted) for a skipped one."""
         self.report.rows += 1
         parsed = rows_lib.parse_row(row, self.fmt, where)
         if not parsed.answer.strip():
@@ -191,7 +192,8 @@ class RowChecker:
         hw = [(h // p, w // p) for _, (h, w) in probes]
         thw = [tuple(int(x) for x in plan.grid_thw) for plan in plans]
         n_img, n_vid = [h * w // m2 for h, w in hw], [t * h * w // m2 for t, h, w in thw]
-        n = self._prompt_len(where, parsed, n_img, n_vid)
+        times = [plan.timestamps for plan in plans] if self.vision.video_timestamps else None
+        n = self._prompt_len(where, parsed, n_img, n_vid, times)
         if n > self.max_prompt_len:
             media, lower = f"{sum(n_img)} image", "--max_pixels"
             if n_vid:
@@ -199,4 +201,5 @@ class RowChecker:
             self._skip("too_long", where, f"prompt is {n} tokens (with {media} tokens), over max_prompt_len="
                        f"{self.max_prompt_len}; raise --max_prompt_len or lower {lower}")
             return None
-        return n, hw, thw, [float(plan.second_per_grid_t) for plan in plans], sum(n_img) + sum(n_vid)
+        return (n, hw, thw, [float(plan.second_per_grid_t) for plan in plans], sum(n_img) + sum(n_vid),
+                [plan.timestamps for plan in plans])

@@ -290,8 +290,12 @@ def _check_text(tok: Tokenizer, text: str) -> None:
 
 
 def render_messages(tok: Tokenizer, messages: Sequence[tuple[str, Sequence]], n_image_tokens: Sequence[int],
-                    n_video_tokens: Sequence[int] = (), *, system: str | None = _DEFAULT) -> list[int]:  # type: ignore[assignment]
+                    n_video_tokens: Sequence[int] = (), *, system: str | None = _DEFAULT,  # type: ignore[assignment]
+                    video_timestamps: Sequence[Sequence[float]] | None = None) -> list[int]:
     """Prompt ids of chat ``messages`` as Qwen2.5-VL's chat template lays them out, plus the generation prompt.
+    With ``video_timestamps`` (Qwen3-VL: each video's temporal steps' times, ``video_sampling.step_timestamps``) a
+    video is written as its processor writes it: per step ``<{t:.1f} seconds>`` then that step's share of the
+    pads between vision start and end.
 
     Args:
         tok: The tokenizer.
@@ -300,6 +304,7 @@ def render_messages(tok: Tokenizer, messages: Sequence[tuple[str, Sequence]], n_
         n_image_tokens: Image-pad count of each image, in order (``num_merged_tokens``).
         n_video_tokens: Video-pad count of each video, in order.
         system: System message when the first message is not one; default ``tok.default_system``; None = none.
+        video_timestamps: one sequence of step times per video (its pad count divides evenly over them), or None.
 
     Raises:
         ValueError: a count is < 1, the parts use more or fewer images/videos than counted, or a text contains
@@ -319,12 +324,19 @@ def render_messages(tok: Tokenizer, messages: Sequence[tuple[str, Sequence]], n_
     if system is not None and (not messages or messages[0][0] != "system"):
         pieces += [tok.im_start_id, "system\n" + system, tok.eos_id, "\n"]
     left = {kind: iter(c) for kind, c in counts.items()}
+    times = iter(video_timestamps if video_timestamps is not None else ())
     for role, parts in messages:
         pieces += [tok.im_start_id, f"{role}\n"]
         for p in parts:
             if p is IMAGE or p is VIDEO:
                 pad = tok.image_pad_id if p is IMAGE else tok.video_pad_id
-                pieces += [tok.vision_start_id, *([pad] * int(next(left[p]))), tok.vision_end_id]
+                n = int(next(left[p]))
+                steps = next(times) if p is VIDEO and video_timestamps is not None else (None,)
+                if n % len(steps):
+                    raise ValueError(f"a video of {n} pads cannot be split over its {len(steps)} time steps")
+                for t in steps:
+                    pieces += ([] if t is None else [f"<{t:.1f} seconds>"])
+                    pieces += [tok.vision_start_id, *([pad] * (n // len(steps))), tok.vision_end_id]
             else:
                 _check_text(tok, p)
                 pieces.append(p)

@@ -167,7 +167,8 @@ class VideoPlan:
     (a frame list: its fps); src_size (h, w) as decoded; list_size: a frame list's per-frame image size (None for
     files); size: (h, w) each frame is resized to; grid_thw: (t, h / patch, w / patch); tokens: merged tokens
     (video pads) ``t * h * w / merge^2`` in grid units; fps: fps of the sampled frames; second_per_grid_t:
-    seconds per temporal grid step (M-RoPE ``second_per_grid_ts``).
+    seconds per temporal grid step (M-RoPE ``second_per_grid_ts``); timestamps: each temporal grid step's time in
+    seconds (``video_sampling.step_timestamps``: what Qwen3-VL writes into the prompt).
     """
 
     indices: tuple[int, ...]
@@ -180,6 +181,7 @@ class VideoPlan:
     tokens: int
     fps: float
     second_per_grid_t: float
+    timestamps: tuple[float, ...] = ()
 
     @property
     def patches(self) -> int:
@@ -210,7 +212,8 @@ def _plan(indices, total, video_fps, src, list_size, n_for_size, fps, sz: _Sizin
     return VideoPlan(indices=tuple(int(i) for i in indices), total_frames=int(total), video_fps=float(video_fps),
                      src_size=tuple(src), list_size=list_size, size=(h, w), grid_thw=grid,
                      tokens=grid[0] * grid[1] * grid[2] // merge**2, fps=float(fps),
-                     second_per_grid_t=vs.second_per_grid_t(sz.temporal, fps))
+                     second_per_grid_t=vs.second_per_grid_t(sz.temporal, fps),
+                     timestamps=vs.step_timestamps(indices, video_fps, sz.temporal))
 
 
 def probe_video(spec: VideoSpec, rule: vs.VideoRule, factor: int = 28, *, patch_size: int = 14,

@@ -148,6 +148,16 @@ def frame_size(height: int, width: int, n: int, rule: VideoRule = VideoRule(), f
     return smart_resize(height, width, factor, rule.min_pixels, max(rule.min_pixels, frame_pixel_budget(n, rule)))
 
 
+def step_timestamps(indices, video_fps: float, temporal_patch_size: int) -> tuple[float, ...]:
+    """Qwen3-VL's time of each temporal grid step, written into the prompt (transformers'
+    ``Qwen3VLProcessor._calculate_timestamps``): the frames' indices padded with the last to a multiple of
+    ``temporal_patch_size``, each ``index / video_fps`` seconds, a step's time the mean of its first and last."""
+    idx = list(indices)
+    idx += [idx[-1]] * (-len(idx) % temporal_patch_size)
+    ts = [i / video_fps for i in idx]
+    return tuple((ts[i] + ts[i + temporal_patch_size - 1]) / 2 for i in range(0, len(ts), temporal_patch_size))
+
+
 def second_per_grid_t(temporal_patch_size: int, fps_sampled: float) -> float:
     """Seconds one temporal patch spans (``second_per_grid_ts`` of the M-RoPE time positions)."""
     return temporal_patch_size / fps_sampled

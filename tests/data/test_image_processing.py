@@ -285,3 +285,19 @@ def test_load_image_rgba_png_then_preprocess_equals_transformers_on_pil(tmp_path
     ref_pv, _ = _hf([Image.open(path)], DEFAULT_MIN, DEFAULT_MAX)
     pv, _ = preprocess_images([img], VISION, DEFAULT_MIN, DEFAULT_MAX)
     assert np.abs(pv - ref_pv).max() <= 1e-5
+
+
+def test_qwen3_vl_images_equal_transformers_with_its_processor_config():
+    """Qwen3-VL's image processor (transformers' class with its checkpoints' preprocessor_config.json: patch 16,
+    mean and std 0.5) on images of different sizes: the same grids, pixel values within 1e-5."""
+    from rollplex_jax.config.model import tiny_qwen3_vl_config
+
+    vision = tiny_qwen3_vl_config().vision
+    images = [c[1] for c in CASES]
+    lo, hi = 32 * 32 * 4, 32 * 32 * 256
+    proc = Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                                    image_std=[0.5] * 3, size={"shortest_edge": lo, "longest_edge": hi})
+    ref = proc(images, return_tensors="np")
+    pv, grid = preprocess_images(images, vision, lo, hi)
+    np.testing.assert_array_equal(grid, ref["image_grid_thw"])
+    assert pv.shape == ref["pixel_values"].shape and np.abs(pv - ref["pixel_values"]).max() <= 1e-5

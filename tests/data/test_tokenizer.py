@@ -208,3 +208,30 @@ def test_render_messages_hf_matches_qwen_chat_template(hf_dir, messages):
     assert ours == tok.hf.encode(rendered, add_special_tokens=False)
     with pytest.raises(ValueError, match="hold 1 image"):
         render_messages(tok, [("user", [IMAGE, "x"])], [2, 2])
+
+
+def test_qwen3_vl_video_steps_with_timestamps_match_its_processor(hf_dir):
+    """A Qwen3-VL video as transformers' Qwen3VLProcessor writes it (``replace_video_token``): the template's
+    vision block collapsed to the pad, then per temporal step ``<{t:.1f} seconds>`` and that step's pads between
+    vision start and end; the times from transformers' own ``_calculate_timestamps``."""
+    from transformers import Qwen3VLProcessor
+
+    from rollplex_jax.data.tokenizer import IMAGE, VIDEO, render_messages
+    from rollplex_jax.data.video_sampling import step_timestamps
+
+    indices, fps = [0, 12, 24, 36, 48], 24.0
+    times = Qwen3VLProcessor._calculate_timestamps(None, list(indices), fps, 2)
+    assert step_timestamps(indices, fps, 2) == tuple(times)
+    assert [f"{t:.1f}" for t in times] == ["0.2", "1.2", "2.0"]
+    tok = HFTokenizer(hf_dir)
+    content = [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "how many squares?"}]
+    rendered = tok.hf.apply_chat_template([{"role": "user", "content": content}], chat_template=QWEN_CHAT_TEMPLATE,
+                                          tokenize=False, add_generation_prompt=True)
+    steps = "".join(f"<{t:.1f} seconds><|vision_start|>" + "<|video_pad|>" * 2 + "<|vision_end|>" for t in times)
+    rendered = rendered.replace("<|vision_start|><|video_pad|><|vision_end|>", steps).replace(
+        "<|image_pad|>", "<|image_pad|>" * 3)
+    ours = render_messages(tok, [("user", [IMAGE, VIDEO, "how many squares?"])], [3], [6],
+                           video_timestamps=[tuple(times)])
+    assert ours == tok.hf.encode(rendered, add_special_tokens=False)
+    with pytest.raises(ValueError, match="cannot be split"):
+        render_messages(tok, [("user", [VIDEO, "x"])], [], [5], video_timestamps=[tuple(times)])

@@ -18,6 +18,7 @@ from rollout_torch.weights import LiveViewError, checksums
 from rollplex_contract.batch import Prompts, SamplingParams
 from rollplex_contract.layout import ALIGNED, REBUILT, VIEW
 from rollplex_jax.config import tiny_model_config
+from rollplex_jax.config.model import tiny_qwen3_vl_config
 from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.models.qwen2_5_vl.fused import to_hf
 from rollplex_jax.models.qwen2_5_vl.names import normalize_name
@@ -29,8 +30,8 @@ ROWS = [[5, 6, ("image", (1, 8, 8)), 7], [10, ("image", (1, 4, 6)), 11, ("video"
 STOP = (2, 7, 9)
 
 
-def _setup(dtype="float32", seed=0):
-    cfg = dataclasses.replace(tiny_model_config(), dtype=dtype)
+def _setup(dtype="float32", seed=0, family=tiny_model_config):
+    cfg = dataclasses.replace(family(), dtype=dtype)
     params = init_params(cfg, jax.random.key(seed), std=0.1)
     inp = mm_inputs(cfg, ROWS, np.random.default_rng(0))
     if dtype == "bfloat16":
@@ -46,8 +47,9 @@ def _jax_logprobs(cfg, params, inp, ro):
     return np.asarray(M.suffix_logprobs(last, M.suffix_forward(params, cfg, state, ids, mask), ids, mask))
 
 
-def test_every_tensor_is_a_zero_copy_view():
-    cfg, params, _, eng = _setup()
+@pytest.mark.parametrize("family", [tiny_model_config, tiny_qwen3_vl_config], ids=["qwen2_5_vl", "qwen3_vl"])
+def test_every_tensor_is_a_zero_copy_view(family):
+    cfg, params, _, eng = _setup(family=family)
     bound = {normalize_name(k): t for k, t in eng.bound_tensors().items()}  # the checkpoint's names
     assert set(bound) == set(to_hf(params, cfg))
     spans = [(a.unsafe_buffer_pointer(), a.unsafe_buffer_pointer() + a.nbytes) for a in params.values()]
@@ -75,9 +77,12 @@ def test_tied_embeddings_share_one_buffer():
     eng.release()
 
 
-@pytest.mark.parametrize("dtype,bound", [("float32", 1.0001), ("bfloat16", 1.043)])
-def test_engine_logprobs_match_jax_actor(dtype, bound):
-    cfg, params, inp, eng = _setup(dtype)
+@pytest.mark.parametrize("dtype,bound,family", [("float32", 1.0001, tiny_model_config),
+                                                ("bfloat16", 1.043, tiny_model_config),
+                                                ("float32", 1.0001, tiny_qwen3_vl_config)],
+                         ids=["float32", "bfloat16", "qwen3_vl"])
+def test_engine_logprobs_match_jax_actor(dtype, bound, family):
+    cfg, params, inp, eng = _setup(dtype, family=family)
     ro = eng.generate(Prompts(**inp), 4, SamplingParams(max_new_tokens=6, stop_token_ids=STOP, seed=3))
     lp = _jax_logprobs(cfg, params, inp, ro)
     real = ro.mask.astype(bool)

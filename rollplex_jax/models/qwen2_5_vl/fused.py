@@ -61,14 +61,15 @@ def fused_tensors(cfg: ModelConfig) -> dict[str, FusedTensor]:
     for i in range(t.num_hidden_layers):
         p = f"model.layers.{i}."
         add(p + "self_attn.qkv_proj", [p + "self_attn." + s for s in ("q_proj", "k_proj", "v_proj")],
-            (q, kv, kv), t.qkv_groups, ("weight", "bias"), heads)
+            (q, kv, kv), t.qkv_groups, ("weight", "bias") if t.qkv_bias else ("weight",), heads)
         add(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], (f, f), t.mlp_groups, ("weight",))
     d, vf = v.hidden_size, v.intermediate_size
     for i in range(v.depth):
         p = f"visual.blocks.{i}."
         add(p + "attn.qkv", [p + "attn.qkv"], (d, d, d), v.qkv_groups, ("weight", "bias"), (v.num_heads,) * 3)
-        add(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], (vf, vf), v.mlp_groups,
-            ("weight", "bias"))
+        if cfg.family == "qwen2_5_vl":  # Qwen3-VL's vision MLP is not gated (linear_fc1, linear_fc2)
+            add(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], (vf, vf), v.mlp_groups,
+                ("weight", "bias"))
     return out
 
 

@@ -9,7 +9,8 @@ A checkpoint's tensors are keyed by the names transformers 5 writes to disk
 actor's parameters (``params.Params``) are in the engine's layout (fused q/k/v and gate/up,
 padded vocabulary: ``fused.py``), converted exactly at load and save. Files may also use transformers'
 in-memory spelling
-(``model.language_model.*``, ``model.visual.*``); the loader accepts both.
+(``model.language_model.*``, ``model.visual.*``); the loader accepts both. A Qwen3-VL checkpoint is written
+in that spelling (``names.disk_name``: transformers 5.25 has no name conversion for Qwen3-VL).
 
 Loading checks every tensor against ``checkpoint_specs(cfg)`` before reading any data
 and raises one ``CheckpointError`` naming every missing, unexpected or misshapen
@@ -34,7 +35,10 @@ from safetensors.numpy import save_file
 
 from rollplex_jax.config import ModelConfig
 from rollplex_jax.models.qwen2_5_vl.fused import to_actor, to_hf
-from rollplex_jax.models.qwen2_5_vl.names import normalize_name  # noqa: F401  (re-exported)
+from rollplex_jax.models.qwen2_5_vl.names import (
+    disk_name,
+    normalize_name,  # noqa: F401  (re-exported)
+)
 from rollplex_jax.models.qwen2_5_vl.params import Params, checkpoint_specs, param_specs
 
 CONFIG_FILE = "config.json"
@@ -266,7 +270,7 @@ def save_hf_checkpoint(model_dir: str | os.PathLike, cfg: ModelConfig, params: P
     check_shapes(cfg, {k: tuple(v.shape) for k, v in params.items()}, "params to save", actor=True)
     os.makedirs(model_dir, exist_ok=True)
     hf = to_hf({k: np.asarray(jax.device_get(v)) for k, v in params.items()}, cfg)
-    arrays = {k: np.ascontiguousarray(hf[k]) for k in checkpoint_specs(cfg)}
+    arrays = {disk_name(k, cfg.family): np.ascontiguousarray(hf[k]) for k in checkpoint_specs(cfg)}
     nbytes = {k: a.nbytes for k, a in arrays.items()}
     shards = shard_names(list(arrays), nbytes, max_shard_bytes)
     metadata = {"format": "pt"}

@@ -45,8 +45,16 @@ from rollplex_jax.models.attention import KVSource
 from rollplex_jax.models.qwen2_5_vl import packing as P
 from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.layers import constrain_kv, layer_params, rematerialise
-from rollplex_jax.models.qwen2_5_vl.text import LayerInputs, decoder_layer, embed, final_norm, lm_logits
+from rollplex_jax.models.qwen2_5_vl.text import (
+    LayerInputs,
+    decoder_layer,
+    deepstack_inputs,
+    embed,
+    final_norm,
+    lm_logits,
+)
 from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
+from rollplex_jax.models.qwen3_vl.vision import vision_forward as qwen3_vision_forward
 
 
 @jax.tree_util.register_dataclass
@@ -199,10 +207,11 @@ def _vision(cfg: ModelConfig, grids: np.ndarray, pixel_values, opts: InputOption
 
 def encode_vision(params: dict, cfg: ModelConfig, inputs: ModelInputs, *,
                   prog: ProgramConfig = ProgramConfig()) -> jax.Array | None:
-    """The vision tower over the batch's images/videos: [n_vision_tokens, D], or None without any."""
+    """The vision tower over the batch's images/videos: [n_vision_tokens, embed_width], or None without any."""
     if inputs.pixel_values is None:
         return None
-    return vision_forward(params, cfg.vision, inputs.pixel_values, inputs.layout, prog=prog)
+    forward = qwen3_vision_forward if cfg.family == "qwen3_vl" else vision_forward
+    return forward(params, cfg.vision, inputs.pixel_values, inputs.layout, prog=prog)
 
 
 def _layer_fn(cfg: ModelConfig, prog: ProgramConfig, i: int, p, h, inp: LayerInputs, prefix):
@@ -212,16 +221,21 @@ def _layer_fn(cfg: ModelConfig, prog: ProgramConfig, i: int, p, h, inp: LayerInp
     return decoder_layer(p, i, h, inp, extra, cfg.text, prog=prog)
 
 
-def _decoder(params, cfg: ModelConfig, h, inp: LayerInputs, prefix: PrefixState | None, prog: ProgramConfig):
+def _decoder(params, cfg: ModelConfig, h, inp: LayerInputs, prefix: PrefixState | None, prog: ProgramConfig,
+             deepstack: list | None = None):
     """Runs all layers on h [B, N, T, D] (``inp``: rotation, tokens' validity [B, N, T] and packed rows' segment
     ids; attending to ``prefix``'s KV if given); returns final-normed h, per-layer outputs and (k, v).
-    Unrolled, one checkpoint per layer (module docstring: why not a scan)."""
+    ``deepstack`` (Qwen3-VL, ``text.deepstack_inputs``): [B, N, T, D] added to the output of layer k after it
+    is recorded (transformers records the layer's own output). Unrolled, one checkpoint per layer (module
+    docstring: why not a scan)."""
     hidden, kvs = [], []
     for i in range(cfg.text.num_hidden_layers):
         layer = rematerialise(functools.partial(_layer_fn, cfg, prog, i), prog.remat)
         h, kv = layer(layer_params(params, f"model.layers.{i}."), h, inp, prefix)
         hidden.append(h)
         kvs.append(kv)
+        if deepstack and i < len(deepstack):
+            h = h + deepstack[i].astype(h.dtype)
     return final_norm(params, h, cfg.text), hidden, kvs
 
 
@@ -235,15 +249,17 @@ def _rows_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_em
         vision_embeds = vision_embeds[inputs.vision_slots]
     pk = inputs.packing
     src = inputs if pk is None else pk
-    h = embed(params, cfg, src.input_ids, vision_embeds, src.token_types,
-              None if pk is None else pk.vision_index)[:, None]
+    index = None if pk is None else pk.vision_index
+    h = embed(params, cfg, src.input_ids, vision_embeds, src.token_types, index)[:, None]
+    deepstack = [x[:, None] for x in deepstack_inputs(cfg, vision_embeds, src.token_types, index)]
     cos, sin = rope.mrope_cos_sin(src.positions, cfg.text, h.dtype)
     if pk is None:
         valid, segments = inputs.attention_mask[:, None].astype(bool), None  # [B, 1, T]; left padding
     else:
         segments = pk.segments[:, None]  # [P, 1, T]
         valid = segments >= 0
-    h, hidden, kvs = _decoder(params, cfg, h, LayerInputs(cos[:, None], sin[:, None], valid, segments), None, prog)
+    h, hidden, kvs = _decoder(params, cfg, h, LayerInputs(cos[:, None], sin[:, None], valid, segments), None, prog,
+                              deepstack)
     return h[:, 0], [x[:, 0] for x in hidden], [(k[:, 0], v[:, 0]) for k, v in kvs]
 
 

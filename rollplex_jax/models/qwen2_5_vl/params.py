@@ -31,6 +31,10 @@ Spec = tuple[tuple[int, ...], tuple[str | None, ...]]
 
 
 def _vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
+    if cfg.family == "qwen3_vl":
+        from rollplex_jax.models.qwen3_vl.params import vision_specs
+
+        return vision_specs(cfg)
     v = cfg.vision
     d, f = v.hidden_size, v.intermediate_size
     m = d * v.spatial_merge_size**2
@@ -79,11 +83,13 @@ def _text_specs(cfg: ModelConfig) -> dict[str, Spec]:
             p + "input_layernorm.weight": ((d,), ("norm",)),
             p + "post_attention_layernorm.weight": ((d,), ("norm",)),
             p + "self_attn.q_proj.weight": ((q, d), ("q_heads", "embed")),
-            p + "self_attn.q_proj.bias": ((q,), ("q_heads",)),
+            **({p + "self_attn.q_proj.bias": ((q,), ("q_heads",))} if t.qkv_bias else {}),
             p + "self_attn.k_proj.weight": ((kv, d), ("kv_heads", "embed")),
-            p + "self_attn.k_proj.bias": ((kv,), ("kv_heads",)),
+            **({p + "self_attn.k_proj.bias": ((kv,), ("kv_heads",))} if t.qkv_bias else {}),
             p + "self_attn.v_proj.weight": ((kv, d), ("kv_heads", "embed")),
-            p + "self_attn.v_proj.bias": ((kv,), ("kv_heads",)),
+            **({p + "self_attn.v_proj.bias": ((kv,), ("kv_heads",))} if t.qkv_bias else {}),
+            **({p + "self_attn.q_norm.weight": ((hd,), ("norm",)),
+                p + "self_attn.k_norm.weight": ((hd,), ("norm",))} if t.qk_norm else {}),
             p + "self_attn.o_proj.weight": ((d, q), ("embed", "q_heads")),
             p + "mlp.gate_proj.weight": ((f, d), ("mlp", "embed")),
             p + "mlp.up_proj.weight": ((f, d), ("mlp", "embed")),

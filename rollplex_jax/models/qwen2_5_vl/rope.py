@@ -71,6 +71,9 @@ def get_rope_index(
       position the token after the last real token would take.
     """
     merge = cfg.vision.spatial_merge_size
+    if cfg.family == "qwen3_vl":  # every video frame is its own block (timestamps between them as text)
+        video_grid_thw = frame_grids(video_grid_thw)
+        second_per_grid_ts = None
     B, T = input_ids.shape
     positions = np.zeros((3, B, T), np.int32)
     next_pos = np.zeros((B,), np.int32)
@@ -106,6 +109,17 @@ def get_rope_index(
     return positions, next_pos
 
 
+def frame_grids(grids: np.ndarray | None) -> np.ndarray | None:
+    """[n, 3] (t, h, w) grids -> one (1, h, w) grid per temporal step, in order (Qwen3-VL's videos:
+    transformers' ``get_rope_index`` repeats each video's grid t times with t = 1)."""
+    if grids is None or not len(grids):
+        return grids
+    g = np.asarray(grids, np.int64)
+    out = np.repeat(g, g[:, 0], axis=0)
+    out[:, 0] = 1
+    return out
+
+
 def temporal_positions(t: int, tokens_per_second: float, second_per_grid_t: float | None) -> np.ndarray:
     """Temporal M-RoPE offsets of a block's ``t`` grid steps: ``trunc(i x tokens_per_second x second_per_grid_t)``
     in float32, as transformers computes it (``second_per_grid_ts`` is a float32 tensor: ``tokens_per_second x s``
@@ -127,11 +141,21 @@ def mrope_cos_sin(positions: jnp.ndarray, cfg: TextConfig, dtype) -> tuple[jnp.n
     """
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    axis_of_band = np.concatenate([np.full(n, i % 3) for i, n in enumerate(cfg.mrope_section)])
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [3, ..., T, hd/2]
-    band = _select_axis(freqs, axis_of_band)
+    band = _select_axis(freqs, axis_of_band(cfg))
     emb = jnp.concatenate([band, band], axis=-1)
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def axis_of_band(cfg: TextConfig) -> np.ndarray:
+    """The position axis (0 t, 1 h, 2 w) of each of the head_dim / 2 frequency bands: Qwen2.5-VL's
+    ``mrope_section`` chunks in order (chunk i from axis i % 3); Qwen3-VL's interleaved layout
+    (``mrope_interleaved``, transformers' ``recomposition_frequencies``): band j is h where j % 3 == 1 and
+    j < 3 x section[1], w where j % 3 == 2 and j < 3 x section[2], t otherwise."""
+    if not cfg.mrope_interleaved:
+        return np.concatenate([np.full(n, i % 3) for i, n in enumerate(cfg.mrope_section)])
+    j, s = np.arange(cfg.head_dim // 2), cfg.mrope_section
+    return np.where((j % 3 == 1) & (j < 3 * s[1]), 1, np.where((j % 3 == 2) & (j < 3 * s[2]), 2, 0))
 
 
 def _select_axis(freqs: jnp.ndarray, axis_of_band: np.ndarray) -> jnp.ndarray:
@@ -168,6 +192,17 @@ class VisionLayout:
     rot_pos: np.ndarray  # [N, 2] int32 (h, w) of each patch, in reordered patch order
     window_gather: np.ndarray  # [n_windows, S_w] int32 reordered unit indices of each window, padded with U
     frame_gather: np.ndarray  # [n_frames, S_f] int32 reordered unit indices of each frame, padded with U
+    # Qwen3-VL's learned position table: 4 bilinear taps per patch into it and their weights (``position_taps``),
+    # in reordered patch order as ``rot_pos``; None without a table
+    pos_taps: np.ndarray | None = None  # [N, 4] int32
+    pos_weights: np.ndarray | None = None  # [N, 4] float32
+
+    def per_patch(self) -> dict[str, np.ndarray]:
+        """The per-patch arrays ``vision_forward`` takes as they are (rotary positions, the table's taps)."""
+        out = {"rot_pos": self.rot_pos}
+        if self.pos_taps is not None:
+            out.update(pos_taps=self.pos_taps, pos_weights=self.pos_weights)
+        return out
 
     def arrays(self, groups: int = 1) -> dict[str, np.ndarray]:
         """What ``vision.vision_forward`` takes: the units split into ``groups`` equal, self-contained groups
@@ -191,7 +226,7 @@ def group_layout(layout: VisionLayout, groups: int) -> dict[str, np.ndarray] | N
         return None
     out = {"window_index": (layout.window_index - own * size).reshape(groups, size).astype(np.int32),
            "reverse_index": (layout.reverse_index - own * size).reshape(groups, size).astype(np.int32),
-           "rot_pos": layout.rot_pos}
+           **layout.per_patch()}
     for key in ("window_gather", "frame_gather"):
         g = _group_segments(getattr(layout, key), units, size, groups)
         if g is None:
@@ -218,7 +253,7 @@ def vision_layout(grid_thw: np.ndarray, cfg: VisionConfig) -> VisionLayout:
     """Window/segment/rotary layout of ``grid_thw`` [n, 3] (patch grids of each image/video)."""
     m = cfg.spatial_merge_size
     win = cfg.merger_window
-    window_index, frame_seg, window_seg, rot = [], [], [], []
+    window_index, frame_seg, window_seg, rot, sizes = [], [], [], [], []
     offset = n_frames = n_windows = 0
     for t, h, w in np.asarray(grid_thw, dtype=np.int64).tolist():
         if h % m or w % m:
@@ -239,21 +274,46 @@ def vision_layout(grid_thw: np.ndarray, cfg: VisionConfig) -> VisionLayout:
                     window_seg.append(np.full(block.size, n_windows))
                     frame_seg.append(np.full(block.size, n_frames + f))
                     rot.append(unit_pos[block].reshape(-1, 2))
+                    sizes.append(np.broadcast_to([h, w], (block.size * m * m, 2)))
                     n_windows += 1
         offset += t * gh * gw
         n_frames += t
     window_index = np.concatenate(window_index).astype(np.int32)
     full_segment = np.concatenate(frame_seg).astype(np.int32)
     window_segment = np.concatenate(window_seg).astype(np.int32)
+    rot_pos = np.concatenate(rot).astype(np.int32)
+    taps = position_taps(rot_pos, np.concatenate(sizes), cfg.num_position_embeddings) \
+        if cfg.num_position_embeddings else (None, None)
     return VisionLayout(
         window_index=window_index,
         reverse_index=np.argsort(window_index).astype(np.int32),
         full_segment=full_segment,
         window_segment=window_segment,
-        rot_pos=np.concatenate(rot).astype(np.int32),
+        rot_pos=rot_pos,
         window_gather=segment_gather(window_segment),
         frame_gather=segment_gather(full_segment),
+        pos_taps=taps[0],
+        pos_weights=taps[1],
     )
+
+
+def position_taps(pos: np.ndarray, size: np.ndarray, table: int) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3-VL's learned position table (``table`` entries, a square of side s) bilinearly resampled to each
+    patch's frame, as transformers' ``get_vision_interpolation_indices_and_weights`` (bilinear, align_corners,
+    border): per patch at (row, col) [N, 2] of a frame of size (h, w) [N, 2], the 4 table rows h_tap x s + w_tap
+    and their weights, the per-axis source ``index x (s - 1) / max(size - 1, 1)`` and weights ``max(1 - |src -
+    tap|, 0)`` in float32. Returns (taps [N, 4] int32, weights [N, 4] float32)."""
+    side = int(round(table**0.5))
+    axes = []
+    for a in (0, 1):
+        src = pos[:, a].astype(np.float32) * np.float32(side - 1) / np.maximum(size[:, a] - 1, 1).astype(np.float32)
+        floor = np.floor(src)
+        raw = floor[:, None] + np.arange(2, dtype=np.float32)
+        weight = np.maximum(np.float32(1) - np.abs(src[:, None] - raw), np.float32(0))
+        axes.append((np.clip(raw, 0, side - 1).astype(np.int64), weight.astype(np.float32)))
+    (ht, hw), (wt, ww) = axes
+    taps = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
+    return taps.astype(np.int32), (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
 
 
 def segment_gather(segment: np.ndarray) -> np.ndarray:
@@ -295,6 +355,9 @@ def pad_layout(layout: VisionLayout, units: int, windows: int, window_len: int, 
         raise ValueError(f"pad_layout: buckets ({units} units, {windows} x {window_len} windows, {frames} x "
                          f"{frame_len} frames) smaller than the layout's")
     extra = np.arange(n, units, dtype=np.int32)
+    taps = {} if layout.pos_taps is None else dict(
+        pos_taps=np.concatenate([layout.pos_taps, np.zeros(((units - n) * unit, 4), np.int32)]),
+        pos_weights=np.concatenate([layout.pos_weights, np.zeros(((units - n) * unit, 4), np.float32)]))
 
     def gather(g: np.ndarray, rows: int, cols: int) -> np.ndarray:
         out = np.full((rows, cols), units, np.int32)
@@ -309,11 +372,12 @@ def pad_layout(layout: VisionLayout, units: int, windows: int, window_len: int, 
         rot_pos=np.concatenate([layout.rot_pos, np.zeros(((units - n) * unit, 2), np.int32)]),
         window_gather=gather(layout.window_gather, windows, window_len),
         frame_gather=gather(layout.frame_gather, frames, frame_len),
+        **taps,
     )
 
 
 def single_group(layout: VisionLayout) -> dict[str, np.ndarray]:
     """``group_layout(layout, 1)`` that keeps empty (padding) segments: what ``vision_forward`` takes."""
     return {"window_index": layout.window_index[None], "reverse_index": layout.reverse_index[None],
-            "rot_pos": layout.rot_pos, "window_gather": layout.window_gather[None],
+            **layout.per_patch(), "window_gather": layout.window_gather[None],
             "frame_gather": layout.frame_gather[None]}

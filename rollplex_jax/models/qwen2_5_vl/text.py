@@ -1,4 +1,5 @@
-"""Qwen2 decoder (GQA with q/k/v bias, RMSNorm, SwiGLU, M-RoPE) as pure functions.
+"""Qwen2 / Qwen3 decoder (GQA with q/k/v bias, or without and with q/k RMSNorm; RMSNorm, SwiGLU, M-RoPE) as pure
+functions.
 
 One attention routine (``models/attention.py``) serves the plain forward and the prefix/suffix
 split: queries attend to a list of key/value *sources* in one softmax, each with a compact mask
@@ -29,8 +30,11 @@ def qkv_projection(p: dict, layer: int, x: jax.Array, cos, sin, cfg: TextConfig)
     pre = f"model.layers.{layer}.self_attn."
     lead = x.shape[:-1]
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    qkv = linear(x, p[pre + "qkv_proj.weight"], p[pre + "qkv_proj.bias"])  # one GEMM (fused.py)
+    qkv = linear(x, p[pre + "qkv_proj.weight"], p.get(pre + "qkv_proj.bias"))  # one GEMM (fused.py)
     q, k, v = (a.reshape(*lead, -1, cfg.head_dim) for a in split_last(qkv, (q, kv, kv), cfg.qkv_groups))
+    if cfg.qk_norm:  # Qwen3: an RMSNorm over each head's q and k, before the rotation
+        q = rms_norm(q, p[pre + "q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, p[pre + "k_norm.weight"], cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -98,11 +102,32 @@ def embed(p: dict, cfg: ModelConfig, input_ids: jax.Array, vision_embeds: jax.Ar
     e = p["model.embed_tokens.weight"][input_ids]
     if vision_embeds is None:
         return e
+    feats, is_vision = _vision_features(vision_embeds[:, :e.shape[-1]], token_types, vision_index)
+    return jnp.where(is_vision[..., None], feats.astype(e.dtype), e)
+
+
+def _vision_features(vision_embeds: jax.Array, token_types: jax.Array, vision_index: jax.Array | None):
+    """(each token's row of ``vision_embeds`` [..., T, W] (any row where it is text), which tokens are vision
+    [..., T]): image pads take the first rows in order, video pads the rows after, or ``vision_index``'s."""
     img = (token_types == 1).reshape(-1)
     vid = (token_types == 2).reshape(-1)
     if vision_index is not None:
         idx = vision_index.reshape(-1)
     else:
         idx = jnp.where(img, jnp.cumsum(img) - 1, jnp.sum(img) + jnp.cumsum(vid) - 1)
-    feats = vision_embeds[jnp.clip(idx, 0, vision_embeds.shape[0] - 1)].reshape(e.shape)
-    return jnp.where((img | vid).reshape(input_ids.shape)[..., None], feats.astype(e.dtype), e)
+    feats = vision_embeds[jnp.clip(idx, 0, vision_embeds.shape[0] - 1)]
+    return feats.reshape(*token_types.shape, -1), (img | vid).reshape(token_types.shape)
+
+
+def deepstack_inputs(cfg: ModelConfig, vision_embeds: jax.Array | None, token_types: jax.Array,
+                     vision_index: jax.Array | None = None) -> list[jax.Array]:
+    """Qwen3-VL's DeepStack: per tapped vision block k, the [..., T, D] additions to decoder layer k's output,
+    that block's merged features at the vision tokens and 0 elsewhere (``vision_embeds`` [rows, embed_width]:
+    the merger's output then each tap's, ``qwen3_vl/vision.py``). Empty for Qwen2.5-VL or without vision."""
+    taps = len(cfg.vision.deepstack_visual_indexes)
+    if vision_embeds is None or not taps:
+        return []
+    d = cfg.text.hidden_size
+    feats, is_vision = _vision_features(vision_embeds[:, d:], token_types, vision_index)
+    feats = jnp.where(is_vision[..., None], feats, 0)
+    return [feats[..., k * d:(k + 1) * d] for k in range(taps)]

@@ -43,7 +43,7 @@ _ACTS = {
 }
 
 
-def _take(x, idx):
+def take_groups(x, idx):
     """Per group: ``x`` [N, ...] split into idx.shape[0] groups of rows, gathered by the group-local
     ``idx`` [groups, ...] -> [groups, *idx.shape[1:], ...]. A batched gather: on a mesh whose ``fsdp`` splits
     the rows into the same groups it is local to each device (a gather of a row-split array by global
@@ -53,9 +53,9 @@ def _take(x, idx):
     return constrain_rows(jax.vmap(lambda a, i: a[i])(xg, idx))
 
 
-def _attention(p: dict, prefix: str, x, cos, sin, seg, cfg: VisionConfig, prog: ProgramConfig):
+def segment_attention(p: dict, prefix: str, x, cos, sin, seg, cfg: VisionConfig, prog: ProgramConfig):
     """Bidirectional attention of x [N, D] within each segment: ``seg`` = (gather, slot, ids) of
-    ``_segments``: gather [groups, S, L] holds each segment's patch indices local to its group of
+    ``frame_segments``: gather [groups, S, L] holds each segment's patch indices local to its group of
     N / groups rows, padded at the end with N / groups (masked as keys, dropped as outputs); ids [groups, S, L]
     (or None): inside a segment a patch sees the patches of its own id only (frames of a vision chunk)."""
     gather, slot, ids = seg
@@ -73,20 +73,20 @@ def _attention(p: dict, prefix: str, x, cos, sin, seg, cfg: VisionConfig, prog: 
     idx = jnp.minimum(gather, local - 1)
 
     def by_segment(a):  # [N, h, d] -> [groups * S, L, h, d]: segments are the batch axis
-        return constrain_rows(_take(a, idx).reshape(g * segs, length, *a.shape[1:]))
+        return constrain_rows(take_groups(a, idx).reshape(g * segs, length, *a.shape[1:]))
 
     segments = None if ids is None else constrain_rows(ids.reshape(g * segs, length))
     src = KVSource(by_segment(k), by_segment(v), constrain_rows(valid.reshape(g * segs, length)), right_padded=True,
                    segments=segments, q_segments=None if ids is None else segments[:, None])
     out = attention(by_segment(q)[:, None], [src], impl=prog.attention, block=prog.attention_block)[:, 0]
-    out = _take(out.reshape(g * segs * length, -1), slot).reshape(n, -1)  # back to patch order
+    out = take_groups(out.reshape(g * segs * length, -1), slot).reshape(n, -1)  # back to patch order
     return linear(out, p[prefix + "proj.weight"], p[prefix + "proj.bias"])
 
 
 def _block(cfg: VisionConfig, prog: ProgramConfig, i: int, p: dict, x, cos, sin, seg):
     pre = f"visual.blocks.{i}."
     x = constrain_rows(x)
-    x = x + _attention(p, pre + "attn.", rms_norm(x, p[pre + "norm1.weight"], 1e-6), cos, sin, seg, cfg, prog)
+    x = x + segment_attention(p, pre + "attn.", rms_norm(x, p[pre + "norm1.weight"], 1e-6), cos, sin, seg, cfg, prog)
     h = rms_norm(x, p[pre + "norm2.weight"], 1e-6)
     act = _ACTS[cfg.hidden_act]
     f = cfg.intermediate_size
@@ -116,19 +116,19 @@ def vision_forward(params: dict, cfg: VisionConfig, pixel_values, layout: dict, 
     # prefix's residuals held the whole batch's patches on every device: 1.2 of 1.65 MB at the demo's size)
     x = linear(constrain_rows(pixel_values.astype(w.dtype)), w.reshape(w.shape[0], -1))  # Conv3d, stride = kernel
     n, d = x.shape
-    x = _take(x.reshape(n // unit, unit, d), layout["window_index"]).reshape(n, d)
+    x = take_groups(x.reshape(n // unit, unit, d), layout["window_index"]).reshape(n, d)
     cos, sin = vision_cos_sin(jnp.asarray(layout["rot_pos"]), cfg)
-    full = _segments(layout["frame_gather"], unit, n, layout.get("frame_ids"))
-    win = _segments(layout["window_gather"], unit, n)
+    full = frame_segments(layout["frame_gather"], unit, n, layout.get("frame_ids"))
+    win = frame_segments(layout["window_gather"], unit, n)
     for i in range(cfg.depth):
         block = rematerialise(functools.partial(_block, cfg, prog, i), prog.remat)
         x = block(layer_params(params, f"visual.blocks.{i}."), x, cos, sin,
                   full if i in cfg.fullatt_block_indexes else win)
     merged = merger(params, cfg, x)
-    return _take(merged, layout["reverse_index"]).reshape(merged.shape)
+    return take_groups(merged, layout["reverse_index"]).reshape(merged.shape)
 
 
-def _segments(unit_gather, unit: int, n: int, unit_ids=None):
+def frame_segments(unit_gather, unit: int, n: int, unit_ids=None):
     """(gather, slot, ids) of one segmentation over n patches, computed once for every block: merge-unit indices
     [groups, S, L] -> patch indices [groups, S, L * unit] (padding stays out of range), per group each of
     its n / groups patches' slot among the S x L * unit gathered rows, and the units' ids [groups, S, L] (frame
