@@ -1,8 +1,8 @@
 """Rollout with transformers' Qwen2.5-VL or Qwen3-VL, its weights bound zero-copy from the actor.
 
 The torch model is built from the model's ``config.json`` dict (its ``model_type`` picks the class) on the
-``meta`` device (no weight memory, no download); ``bind`` then installs the actor's shards as its parameters, as the trainer
-classified them (``rollplex_contract.layout``): on one device every tensor is ``aligned`` (a DLPack
+``meta`` device (no weight memory, no download); ``bind`` then installs the actor's shards as its parameters, as
+the trainer classified them (``rollplex_contract.layout``): on one device every tensor is ``aligned`` (a DLPack
 view: 100% shared, nothing rebuilt). With params sharded over a training mesh (e.g. fsdp=4) the
 engine (no tensor parallelism) runs on the mesh's first device (in a job of several processes, each process's
 own first device, decoding that process's share): replicated params are aligned views
