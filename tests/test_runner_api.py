@@ -182,3 +182,15 @@ def test_rollout_tp_refused_naming_the_engine(engine, match):
     cfg = config_from_flagfile("configs/tiny_cpu.flags", rollout_tp=2, engine=engine)
     with pytest.raises(ConfigError, match=match):
         check_mesh(cfg, Processes())
+
+
+def test_vllm_engine_refuses_a_family_without_its_layout():
+    """vLLM's Qwen3-VL tensor layout is not built: --engine=vllm with a Qwen3-VL model stops at start naming
+    --engine=hf (not deep in the first bind)."""
+    from rollplex_jax.parallel.multihost import Processes
+    from rollplex_jax.run.setup import check_mesh
+
+    cfg = config_from_flagfile("configs/tiny_qwen3_vl_cpu.flags", engine="vllm")
+    assert cfg.model.family == "qwen3_vl"
+    with pytest.raises(ConfigError, match="use --engine=hf"):
+        check_mesh(cfg, Processes())

@@ -69,6 +69,9 @@ def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
         raise ConfigError(f"{mesh_lib.describe(m)} needs {m.train_devices} devices but "
                           f"{jax.device_count()} are visible (on CPU: XLA_FLAGS="
                           f"--xla_force_host_platform_device_count={m.train_devices})")
+    if cfg.rollout.engine == "vllm" and cfg.model.family != "qwen2_5_vl":
+        raise ConfigError(f"--engine=vllm runs Qwen2.5-VL only: vLLM's {cfg.model.family} tensor layout is not built "
+                          "(rollplex_jax/weights/engine_layouts.py); use --engine=hf")
     if m.rollout_tp != 1:
         if cfg.rollout.engine == "hf":
             raise ConfigError(f"--rollout_tp={m.rollout_tp}: the transformers engine (--engine=hf) has no tensor "

@@ -50,7 +50,7 @@ from rollplex_jax.programs.split import BoundaryRows
 from rollplex_jax.step.ops import Targets
 from rollplex_jax.trace import Tracer
 
-_MERGER = "visual.merger.mlp.2.weight"  # the tower's last weight: its output's dtype
+_PATCH_EMBED = "visual.patch_embed.proj.weight"  # the tower's first weight: its dtype is its output's (both families)
 
 
 class StaleBoundaryError(RuntimeError):
@@ -169,7 +169,7 @@ class RollplexOps:
 
     def _encode(self, params):
         """The batch's vision embeddings buffer under ``params``: each chunk encoded, placed at its rows."""
-        buf = jnp.zeros((self.chunks.buffer, self.cfg.model.vision.out_hidden_size), params[_MERGER].dtype)
+        buf = jnp.zeros((self.chunks.buffer, self.cfg.model.vision.embed_width), params[_PATCH_EMBED].dtype)
         for vin, off in zip(self.vins, self.chunks.offsets, strict=True):
             buf = self.sp.vision_into(params, vin, buf, off)
         return buf

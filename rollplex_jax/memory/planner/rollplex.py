@@ -78,7 +78,7 @@ def _chunk_sets(cfg: Config, ch: ChunkSpec | None, lengths: Lengths, pm: Program
     grads = (saved_activations(m, fwd, pm, tp, text_const=False) - no_cast
              + BWD_FACTOR * block_temp(m, n, pm, frame, tp)
              + one_layer_saved(m, 0, 0, 0, n, pm, tp) + backward_carry(m, 0, n, tp, pm.gpu))
-    return {"buffer": ch.buffer * v.out_hidden_size * b,
+    return {"buffer": ch.buffer * v.embed_width * b,
             "inputs": n_chunks * ch.groups * (n * (v.patch_dim * F32 + 2 * 4) + ch.units * 8 + ch.windows * 4),
             "encode": block_temp(m, n, pm, frame, tp) + 2 * n * v.hidden_size * b,
             "grads": 0.0 if cfg.optim.freeze_vision else grads}
