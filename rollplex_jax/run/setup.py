@@ -23,6 +23,7 @@ from rollplex_jax.data import synthetic
 from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
 from rollplex_jax.memory import planner
 from rollplex_jax.memory.meter import MemoryMeter
+from rollplex_jax.models.family import family_of
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
 from rollplex_jax.models.qwen2_5_vl.params import init_params
 from rollplex_jax.parallel import mesh as mesh_lib
@@ -69,9 +70,9 @@ def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
         raise ConfigError(f"{mesh_lib.describe(m)} needs {m.train_devices} devices but "
                           f"{jax.device_count()} are visible (on CPU: XLA_FLAGS="
                           f"--xla_force_host_platform_device_count={m.train_devices})")
-    if cfg.rollout.engine == "vllm" and cfg.model.family != "qwen2_5_vl":
-        raise ConfigError(f"--engine=vllm runs Qwen2.5-VL only: vLLM's {cfg.model.family} tensor layout is not built "
-                          "(rollplex_jax/weights/engine_layouts.py); use --engine=hf")
+    if cfg.rollout.engine == "vllm" and not family_of(cfg.model).vllm_engine:
+        raise ConfigError(f"--engine=vllm runs Qwen2.5-VL only: binding vLLM's {cfg.model.family} model is not built "
+                          "or tested (models/family.py); use --engine=hf")
     if m.rollout_tp != 1:
         if cfg.rollout.engine == "hf":
             raise ConfigError(f"--rollout_tp={m.rollout_tp}: the transformers engine (--engine=hf) has no tensor "

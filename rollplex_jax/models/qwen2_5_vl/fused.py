@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rollplex_jax.config.model import ModelConfig
+from rollplex_jax.models.family import family_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ def fused_tensors(cfg: ModelConfig) -> dict[str, FusedTensor]:
     for i in range(v.depth):
         p = f"visual.blocks.{i}."
         add(p + "attn.qkv", [p + "attn.qkv"], (d, d, d), v.qkv_groups, ("weight", "bias"), (v.num_heads,) * 3)
-        if cfg.family == "qwen2_5_vl":  # Qwen3-VL's vision MLP is not gated (linear_fc1, linear_fc2)
+        if family_of(cfg).gated_vision_mlp:  # Qwen3-VL's is not (linear_fc1, linear_fc2)
             add(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], (vf, vf), v.mlp_groups,
                 ("weight", "bias"))
     return out

@@ -10,7 +10,7 @@ actor's parameters (``params.Params``) are in the engine's layout (fused q/k/v a
 padded vocabulary: ``fused.py``), converted exactly at load and save. Files may also use transformers'
 in-memory spelling
 (``model.language_model.*``, ``model.visual.*``); the loader accepts both. A Qwen3-VL checkpoint is written
-in that spelling (``names.disk_name``: transformers 5.25 has no name conversion for Qwen3-VL).
+in that spelling (``family.Family.transformers_names_on_disk``: transformers 5.25 has no name conversion for it).
 
 Loading checks every tensor against ``checkpoint_specs(cfg)`` before reading any data
 and raises one ``CheckpointError`` naming every missing, unexpected or misshapen
@@ -34,10 +34,11 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rollplex_jax.config import ModelConfig
+from rollplex_jax.models.family import family_of
 from rollplex_jax.models.qwen2_5_vl.fused import to_actor, to_hf
 from rollplex_jax.models.qwen2_5_vl.names import (
-    disk_name,
     normalize_name,  # noqa: F401  (re-exported)
+    transformers_name,
 )
 from rollplex_jax.models.qwen2_5_vl.params import Params, checkpoint_specs, param_specs
 
@@ -270,7 +271,8 @@ def save_hf_checkpoint(model_dir: str | os.PathLike, cfg: ModelConfig, params: P
     check_shapes(cfg, {k: tuple(v.shape) for k, v in params.items()}, "params to save", actor=True)
     os.makedirs(model_dir, exist_ok=True)
     hf = to_hf({k: np.asarray(jax.device_get(v)) for k, v in params.items()}, cfg)
-    arrays = {disk_name(k, cfg.family): np.ascontiguousarray(hf[k]) for k in checkpoint_specs(cfg)}
+    on_disk = transformers_name if family_of(cfg).transformers_names_on_disk else str  # Qwen3-VL: transformers'
+    arrays = {on_disk(k): np.ascontiguousarray(hf[k]) for k in checkpoint_specs(cfg)}
     nbytes = {k: a.nbytes for k, a in arrays.items()}
     shards = shard_names(list(arrays), nbytes, max_shard_bytes)
     metadata = {"format": "pt"}

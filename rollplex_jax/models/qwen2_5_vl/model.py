@@ -42,6 +42,7 @@ import numpy as np
 from rollplex_jax.config import ModelConfig, ProgramConfig
 from rollplex_jax.config.shapes import Buckets, pow2
 from rollplex_jax.models.attention import KVSource
+from rollplex_jax.models.family import family_of
 from rollplex_jax.models.qwen2_5_vl import packing as P
 from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.layers import constrain_kv, layer_params, rematerialise
@@ -53,8 +54,6 @@ from rollplex_jax.models.qwen2_5_vl.text import (
     final_norm,
     lm_logits,
 )
-from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
-from rollplex_jax.models.qwen3_vl.vision import vision_forward as qwen3_vision_forward
 
 
 @jax.tree_util.register_dataclass
@@ -210,8 +209,7 @@ def encode_vision(params: dict, cfg: ModelConfig, inputs: ModelInputs, *,
     """The vision tower over the batch's images/videos: [n_vision_tokens, embed_width], or None without any."""
     if inputs.pixel_values is None:
         return None
-    forward = qwen3_vision_forward if cfg.family == "qwen3_vl" else vision_forward
-    return forward(params, cfg.vision, inputs.pixel_values, inputs.layout, prog=prog)
+    return family_of(cfg).vision_forward()(params, cfg.vision, inputs.pixel_values, inputs.layout, prog=prog)
 
 
 def _layer_fn(cfg: ModelConfig, prog: ProgramConfig, i: int, p, h, inp: LayerInputs, prefix):

@@ -38,9 +38,3 @@ def transformers_name(name: str) -> str:
             return mem + name[len(disk):]
     return name
 
-
-def disk_name(name: str, family: str) -> str:
-    """The name a checkpoint of ``family`` stores our parameter ``name`` under: Qwen2.5-VL's files use our names
-    (transformers 5 converts them when loading), Qwen3-VL's transformers' own (it has no conversion for them:
-    ``model.language_model.*``, ``model.visual.*``)."""
-    return transformers_name(name) if family == "qwen3_vl" else name

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rollplex_jax.config import ModelConfig
+from rollplex_jax.models.family import family_of
 from rollplex_jax.models.qwen2_5_vl.fused import fused_tensors, to_actor, vocab_tensors
 
 Params = dict[str, jax.Array]
@@ -31,40 +32,7 @@ Spec = tuple[tuple[int, ...], tuple[str | None, ...]]
 
 
 def _vision_specs(cfg: ModelConfig) -> dict[str, Spec]:
-    if cfg.family == "qwen3_vl":
-        from rollplex_jax.models.qwen3_vl.params import vision_specs
-
-        return vision_specs(cfg)
-    v = cfg.vision
-    d, f = v.hidden_size, v.intermediate_size
-    m = d * v.spatial_merge_size**2
-    specs: dict[str, Spec] = {
-        "visual.patch_embed.proj.weight": (
-            (d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size),
-            ("vision_embed", None, None, None, None)),
-        "visual.merger.ln_q.weight": ((d,), ("norm",)),
-        "visual.merger.mlp.0.weight": ((m, m), ("vision_merge_mlp", "vision_merge_in")),
-        "visual.merger.mlp.0.bias": ((m,), ("vision_merge_mlp",)),
-        "visual.merger.mlp.2.weight": ((cfg.text.hidden_size, m), ("embed", "vision_merge_mlp")),
-        "visual.merger.mlp.2.bias": ((cfg.text.hidden_size,), ("embed",)),
-    }
-    for i in range(v.depth):
-        p = f"visual.blocks.{i}."
-        specs.update({
-            p + "norm1.weight": ((d,), ("norm",)),
-            p + "norm2.weight": ((d,), ("norm",)),
-            p + "attn.qkv.weight": ((3 * d, d), ("vision_qkv", "vision_embed")),
-            p + "attn.qkv.bias": ((3 * d,), ("vision_qkv",)),
-            p + "attn.proj.weight": ((d, d), ("vision_embed", "vision_heads")),
-            p + "attn.proj.bias": ((d,), ("vision_embed",)),
-            p + "mlp.gate_proj.weight": ((f, d), ("vision_mlp", "vision_embed")),
-            p + "mlp.gate_proj.bias": ((f,), ("vision_mlp",)),
-            p + "mlp.up_proj.weight": ((f, d), ("vision_mlp", "vision_embed")),
-            p + "mlp.up_proj.bias": ((f,), ("vision_mlp",)),
-            p + "mlp.down_proj.weight": ((d, f), ("vision_embed", "vision_mlp")),
-            p + "mlp.down_proj.bias": ((d,), ("vision_embed",)),
-        })
-    return specs
+    return family_of(cfg).vision_specs(cfg)
 
 
 def _text_specs(cfg: ModelConfig) -> dict[str, Spec]:

@@ -71,7 +71,7 @@ def get_rope_index(
       position the token after the last real token would take.
     """
     merge = cfg.vision.spatial_merge_size
-    if cfg.family == "qwen3_vl":  # every video frame is its own block (timestamps between them as text)
+    if cfg.vision.video_timestamps:  # Qwen3-VL: every frame is its own block (its time as text before it)
         video_grid_thw = frame_grids(video_grid_thw)
         second_per_grid_ts = None
     B, T = input_ids.shape

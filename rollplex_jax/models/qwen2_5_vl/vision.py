@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from rollplex_jax.config import ProgramConfig, VisionConfig
+from rollplex_jax.config import ModelConfig, ProgramConfig, VisionConfig
 from rollplex_jax.models.attention import KVSource, attention
 from rollplex_jax.models.qwen2_5_vl.fused import split_last
 from rollplex_jax.models.qwen2_5_vl.layers import (
@@ -153,3 +153,37 @@ def merger(params: dict, cfg: VisionConfig, x) -> jax.Array:
     x = linear(x, params["visual.merger.mlp.0.weight"], params["visual.merger.mlp.0.bias"])
     x = jax.nn.gelu(x, approximate=False)
     return linear(x, params["visual.merger.mlp.2.weight"], params["visual.merger.mlp.2.bias"])
+
+
+def vision_specs(cfg: ModelConfig) -> dict:
+    """(shape, logical axes) of every vision tensor of a Qwen2.5-VL checkpoint."""
+    v = cfg.vision
+    d, f = v.hidden_size, v.intermediate_size
+    m = d * v.spatial_merge_size**2
+    specs: dict = {
+        "visual.patch_embed.proj.weight": (
+            (d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size),
+            ("vision_embed", None, None, None, None)),
+        "visual.merger.ln_q.weight": ((d,), ("norm",)),
+        "visual.merger.mlp.0.weight": ((m, m), ("vision_merge_mlp", "vision_merge_in")),
+        "visual.merger.mlp.0.bias": ((m,), ("vision_merge_mlp",)),
+        "visual.merger.mlp.2.weight": ((cfg.text.hidden_size, m), ("embed", "vision_merge_mlp")),
+        "visual.merger.mlp.2.bias": ((cfg.text.hidden_size,), ("embed",)),
+    }
+    for i in range(v.depth):
+        p = f"visual.blocks.{i}."
+        specs.update({
+            p + "norm1.weight": ((d,), ("norm",)),
+            p + "norm2.weight": ((d,), ("norm",)),
+            p + "attn.qkv.weight": ((3 * d, d), ("vision_qkv", "vision_embed")),
+            p + "attn.qkv.bias": ((3 * d,), ("vision_qkv",)),
+            p + "attn.proj.weight": ((d, d), ("vision_embed", "vision_heads")),
+            p + "attn.proj.bias": ((d,), ("vision_embed",)),
+            p + "mlp.gate_proj.weight": ((f, d), ("vision_mlp", "vision_embed")),
+            p + "mlp.gate_proj.bias": ((f,), ("vision_mlp",)),
+            p + "mlp.up_proj.weight": ((f, d), ("vision_mlp", "vision_embed")),
+            p + "mlp.up_proj.bias": ((f,), ("vision_mlp",)),
+            p + "mlp.down_proj.weight": ((d, f), ("vision_embed", "vision_mlp")),
+            p + "mlp.down_proj.bias": ((d,), ("vision_embed",)),
+        })
+    return specs

@@ -26,6 +26,7 @@ from rollplex_jax.config import ProgramConfig, VisionConfig
 from rollplex_jax.models.qwen2_5_vl.layers import constrain_rows, layer_norm, layer_params, linear, rematerialise
 from rollplex_jax.models.qwen2_5_vl.rope import vision_cos_sin
 from rollplex_jax.models.qwen2_5_vl.vision import _ACTS, frame_segments, segment_attention, take_groups
+from rollplex_jax.models.qwen3_vl.params import vision_specs  # noqa: F401  (the family's, models/family.py)
 
 _EPS = 1e-6
 
