@@ -38,6 +38,17 @@ def test_tiny_checkpoint_matches_transformers(tiny_dir):
     assert "video_grid=[[2," in err  # the video has 2 temporal patches
 
 
+def test_tiny_qwen3_vl_checkpoint_matches_transformers(tmp_path):
+    """A Qwen3-VL checkpoint written by transformers (its names: model.language_model.*) verifies as Qwen2.5-VL's."""
+    from rollplex_jax.config.model import tiny_qwen3_vl_config
+
+    hf_model(tiny_qwen3_vl_config(), seed=5).save_pretrained(tmp_path)
+    rc, out, err = _run(f"--hf_dir={tmp_path}")
+    assert rc == 0, err
+    assert out["ok"] is True and out["max_abs_logit_diff"] <= 1e-4
+    assert "video_grid=[[2," in err
+
+
 def test_above_tolerance_exits_1(tiny_dir):
     rc, out, _ = _run(f"--hf_dir={tiny_dir}", "--atol=0")
     assert rc == 1 and out["ok"] is False and out["max_abs_logit_diff"] > 0

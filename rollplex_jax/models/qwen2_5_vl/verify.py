@@ -1,8 +1,9 @@
 """Compare our forward with transformers' on a checkpoint, on a deterministic multimodal input.
 
 The input exercises every path of the model: text, an image large enough for at
-least 2x2 attention windows of the checkpoint's window size, a second image of
-another size, and a 2-frame video, all in one prompt. Used by
+least 2x2 attention windows of the checkpoint's window size (Qwen3-VL, without windows: 3x4 merged tokens), a
+second image of another size, and a 2-frame video (Qwen3-VL: each step after its time as text), all in one
+prompt. Either family (``models/family.py``: transformers' class of the checkpoint's). Used by
 ``python -m launch.verify_checkpoint`` and by its test.
 """
 
@@ -31,8 +32,8 @@ def verification_inputs(cfg: ModelConfig) -> dict:
     video), ``image_grid_thw`` [2, 3], ``video_grid_thw`` [1, 3].
     """
     v = cfg.vision
-    win_px = v.window_size  # one attention window is window_size pixels on a side
     unit = v.patch_size * v.spatial_merge_size
+    win_px = v.window_size or unit  # one attention window is window_size pixels on a side
     big = (2 * win_px + unit, 2 * win_px + 2 * unit)  # (h, w): at least 3x3 windows, the last partial
     small = (2 * unit, 3 * unit)
     frame = (2 * unit, 2 * unit)
@@ -47,6 +48,10 @@ def verification_inputs(cfg: ModelConfig) -> dict:
 
     def block(tok, grid):
         n = num_merged_tokens(grid, v.spatial_merge_size)
+        if tok == cfg.video_token_id and v.video_timestamps:  # per step: its time (text tokens here), its pads
+            t = int(grid[0])
+            return [i for s in range(t) for i in [text[12 + s], cfg.vision_start_token_id]
+                    + [tok] * (n // t) + [cfg.vision_end_token_id]]
         return [cfg.vision_start_token_id] + [tok] * n + [cfg.vision_end_token_id]
 
     ids = (text[0:4] + block(cfg.image_token_id, grid_i[0]) + text[4:6] + block(cfg.image_token_id, grid_i[1])
@@ -59,10 +64,13 @@ def verification_inputs(cfg: ModelConfig) -> dict:
 def transformers_logits(model_dir: str, cfg: ModelConfig, inp: dict) -> np.ndarray:
     """transformers' fp32/bf16 logits [1, T, V] for the same input (M-RoPE via mm_token_type_ids)."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
+
+    from rollplex_jax.models.family import family_of
 
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    model_cls = getattr(transformers, family_of(cfg).architecture)
+    model = model_cls.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
     model.eval()
     ids = torch.from_numpy(inp["input_ids"])
     types = torch.zeros_like(ids, dtype=torch.int32)
