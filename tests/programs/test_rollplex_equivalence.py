@@ -51,11 +51,12 @@ TOL = 1e-5
 LR = 3e-3
 
 
-def _config(tmp_path, name, freeze=False, mini=1, micro=4, temperature=1.0, **run) -> Config:
-    model = ModelConfig.from_json_file(REPO / "configs" / "models" / "demo.json")
+def _config(tmp_path, name, freeze=False, mini=1, micro=4, temperature=1.0, model="demo.json", **run) -> Config:
+    model = ModelConfig.from_json_file(REPO / "configs" / "models" / model)
+    pixels = (model.vision.patch_size * model.vision.spatial_merge_size * 2) ** 2  # 2x2 merged tokens
     return Config(
         model=model,
-        data=DataConfig(synthetic_n=16, eval_n=0, min_pixels=3136, max_pixels=3136, max_prompt_len=64),
+        data=DataConfig(synthetic_n=16, eval_n=0, min_pixels=pixels, max_pixels=pixels, max_prompt_len=64),
         rollout=RolloutConfig(group_size=4, max_new_tokens=3, max_batch=64, temperature=temperature),
         rl=RlConfig(batch_prompts=2, micro_batch=micro, kl_mode="loss", kl_coef=0.1,
                     reward="tests.reward_fns:length_parity",
@@ -104,6 +105,14 @@ def test_rollplex_equals_serial(serial, tmp_path, sharing, overlap, freeze):
 def test_rollplex_recompute_equals_serial(serial, tmp_path):
     cfg = _config(tmp_path, "r", schedule="rollplex", actor_prefix="recompute")
     _compare(_run(cfg), serial[False])
+
+
+def test_qwen3_vl_rollplex_equals_serial(tmp_path):
+    """The tiny Qwen3-VL demo model (DeepStack into decoder layer 0: its boundary KV depends on the vision
+    features, q/k norms, interleaved M-RoPE) trains the same updates in both schedules."""
+    a = _run(_config(tmp_path, "s", model="demo_qwen3_vl.json"))
+    b = _run(_config(tmp_path, "r", model="demo_qwen3_vl.json", schedule="rollplex"))
+    _compare(b, a)
 
 
 def test_two_mini_batches_equal_serial(tmp_path):
