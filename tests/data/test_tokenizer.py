@@ -235,3 +235,19 @@ def test_qwen3_vl_video_steps_with_timestamps_match_its_processor(hf_dir):
     assert ours == tok.hf.encode(rendered, add_special_tokens=False)
     with pytest.raises(ValueError, match="cannot be split"):
         render_messages(tok, [("user", [VIDEO, "x"])], [], [5], video_timestamps=[tuple(times)])
+
+
+def test_a_chat_template_without_a_default_system_turn_renders_none(hf_dir, tmp_path):
+    """Qwen3-VL's chat template adds no default system turn (Qwen2.5-VL's adds "You are a helpful assistant."):
+    the tokenizer follows the template its checkpoint ships; without one, Qwen2.5-VL's layout."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    hf.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    hf.save_pretrained(tmp_path)
+    tok = HFTokenizer(tmp_path)
+    assert tok.default_system is None
+    ids = render_prompt(tok, "how many squares?", [2])
+    assert tok.decode(ids).startswith("<|im_start|>user\n") and "system" not in tok.decode(ids)
+    assert HFTokenizer(hf_dir).default_system == "You are a helpful assistant."
