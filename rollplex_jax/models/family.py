@@ -57,7 +57,7 @@ FAMILY = {
     "qwen2_5_vl": Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "rollplex_jax.models.qwen2_5_vl.vision",
                          gated_vision_mlp=True, transformers_names_on_disk=False, vllm_layout=True, vllm_engine=True),
     "qwen3_vl": Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "rollplex_jax.models.qwen3_vl.vision",
-                       gated_vision_mlp=False, transformers_names_on_disk=True, vllm_layout=False, vllm_engine=False),
+                       gated_vision_mlp=False, transformers_names_on_disk=True, vllm_layout=True, vllm_engine=False),
 }
 
 
