@@ -38,7 +38,6 @@ CONFIGS = {
     "deepstack2_gqa4": dict(vision=dict(depth=3, deepstack_visual_indexes=(2, 0)),
                             text=dict(num_attention_heads=8, num_key_value_heads=2, attention_head_dim=16,
                                       mrope_section=(4, 2, 2))),
-    "tied": dict(tie_word_embeddings=True),
 }
 ROWS = [
     [5, 6, ("image", (1, 8, 8)), 7, 8, ("image", (1, 4, 6)), 9],
@@ -70,8 +69,9 @@ def test_logits_and_layers_match_transformers(name):
     _forward_parity(tiny_qwen3_vl_config(**CONFIGS[name]), ProgramConfig())
 
 
-def test_blockwise_attention_matches_transformers():
-    _forward_parity(tiny_qwen3_vl_config(), ProgramConfig(attention_block=8))
+def test_tied_and_blockwise_match_transformers():
+    """Tied embeddings, with the blockwise kernel over 8-long blocks (several blocks, lengths not divided)."""
+    _forward_parity(tiny_qwen3_vl_config(tie_word_embeddings=True), ProgramConfig(attention_block=8))
 
 
 def test_vision_tower_and_deepstack_match_transformers():
