@@ -44,9 +44,9 @@ FLAGS = dict(steps=STEPS, batch_prompts=4, group_size=4, micro_batch=4, mini_bat
 
 
 def _runner(tmp_path_factory, schedule: str, fsdp: int, tp: int, temperature: float = 1.0, dp: int = 1,
-            placement: str = "across"):
+            placement: str = "across", flagfile: str = "configs/tiny_cpu.flags"):
     wd = tmp_path_factory.mktemp(f"{schedule}_{dp}x{fsdp}x{tp}_t{temperature}")
-    return runner_from_flagfile("configs/tiny_cpu.flags", workdir=str(wd), train_dp=dp, train_fsdp=fsdp, train_tp=tp,
+    return runner_from_flagfile(flagfile, workdir=str(wd), train_dp=dp, train_fsdp=fsdp, train_tp=tp,
                                 schedule=schedule, temperature=temperature, dp_placement=placement, **FLAGS)
 
 
@@ -142,12 +142,15 @@ def _check_mesh_run(single, tmp_path_factory, schedule, dp, fsdp, tp, temperatur
             assert 0.85 <= row["planned_over_measured"] <= 1.15, (phase, row)
 
 
-@pytest.mark.parametrize("dp,fsdp,tp,temperature", [(1, 2, 2, 1.0), (1, 1, 4, 0.7), (2, 2, 1, 1.0), (2, 1, 2, 1.0)])
-def test_sharded_gradient_equals_single_device(tmp_path_factory, dp, fsdp, tp, temperature):
+@pytest.mark.parametrize("dp,fsdp,tp,temperature,flagfile", [
+    (1, 2, 2, 1.0, "configs/tiny_cpu.flags"), (1, 1, 4, 0.7, "configs/tiny_cpu.flags"),
+    (2, 2, 1, 1.0, "configs/tiny_cpu.flags"), (2, 1, 2, 1.0, "configs/tiny_cpu.flags"),
+    (1, 2, 2, 1.0, "configs/tiny_qwen3_vl_cpu.flags")])  # Qwen3-VL: q/k norms, position table, DeepStack mergers
+def test_sharded_gradient_equals_single_device(tmp_path_factory, dp, fsdp, tp, temperature, flagfile):
     """The gradient of one micro-batch of real rollouts at theta_0, before Adam: within 1e-5 of each tensor's
     largest entry on the mesh and on one device (at --temperature=0.7 too; on dp meshes the sum over dp too)."""
-    one = _runner(tmp_path_factory, "serial", 1, 1, temperature)
-    many = _runner(tmp_path_factory, "serial", fsdp, tp, temperature, dp)
+    one = _runner(tmp_path_factory, "serial", 1, 1, temperature, flagfile=flagfile)
+    many = _runner(tmp_path_factory, "serial", fsdp, tp, temperature, dp, flagfile=flagfile)
     prompts = collate(one.train_set[:2], 0)
     ro = rl_step.sample(one.ctx, one.state.params, prompts, rl_step.Draw(n=4, seed=3))
     b, g, tr = ro.response_ids.shape
