@@ -42,7 +42,7 @@ lock: $(STAMP)
 # tests that measure wall time alone (marker `timing`).
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests -n 2 --dist=worksteal -m "not timing"
+	$(BIN)/python -m pytest tests -n 2 --dist=worksteal -m "not timing" --durations=25
 	$(BIN)/python -m pytest tests -m timing
 
 # The tiny default end to end on CPU: a random-init tiny Qwen2.5-VL learns a synthetic visual task by

@@ -95,8 +95,9 @@ def serial(tmp_path_factory):
     return {freeze: _run(_config(root, f"s{freeze}", freeze=freeze)) for freeze in (False, True)}
 
 
-@pytest.mark.parametrize("freeze", [False, True])
-@pytest.mark.parametrize("sharing,overlap", [(True, True), (True, False), (False, True), (False, False)])
+# every combination of the switches with the tower trained, the defaults and none of them with it frozen
+@pytest.mark.parametrize("sharing,overlap,freeze", [(True, True, False), (True, False, False), (False, True, False),
+                                                    (False, False, False), (True, True, True), (False, False, True)])
 def test_rollplex_equals_serial(serial, tmp_path, sharing, overlap, freeze):
     cfg = _config(tmp_path, "r", freeze=freeze, schedule="rollplex", prefix_sharing=sharing, overlap=overlap)
     _compare(_run(cfg), serial[freeze])
