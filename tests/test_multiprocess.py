@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from tests.equivalence import assert_same_updates
-from tests.paths import REPO
+from tests.paths import REPO, xla_flags
 
 SKIP = ("time/", "memory/", "timing_s/", "perf/time_per_step", "perf/throughput",  # wall clock, live memory,
         "perf/compile")  # and compilations: what the process had compiled (or cached) before
@@ -42,7 +42,7 @@ FLAGS = ["--flagfile=configs/tiny_cpu.flags", "--steps=2", "--batch_prompts=4",
 
 
 def _env(devices: int) -> dict:
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices),
                 TOKENIZERS_PARALLELISM="false")
 
 

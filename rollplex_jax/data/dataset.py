@@ -250,6 +250,11 @@ class Dataset(Sequence):
         return int(sizes.max()) // r.vision.spatial_merge_size**2 if len(sizes) else 0
 
     @property
+    def video_count(self) -> int:
+        """Videos among the loaded rows."""
+        return len(self._rows.video_thw.reshape(-1, 3))
+
+    @property
     def cache(self) -> PatchCache:
         return self._rows.cache
 

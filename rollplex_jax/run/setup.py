@@ -71,8 +71,8 @@ def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
                           f"{jax.device_count()} are visible (on CPU: XLA_FLAGS="
                           f"--xla_force_host_platform_device_count={m.train_devices})")
     if cfg.rollout.engine == "vllm" and not family_of(cfg.model).vllm_engine:
-        raise ConfigError(f"--engine=vllm runs Qwen2.5-VL only: binding vLLM's {cfg.model.family} model is not built "
-                          "or tested (models/family.py); use --engine=hf")
+        raise ConfigError(f"--engine=vllm: binding vLLM's {cfg.model.family} model is not built or tested "
+                          "(models/family.py); use --engine=hf")
     if m.rollout_tp != 1:
         if cfg.rollout.engine == "hf":
             raise ConfigError(f"--rollout_tp={m.rollout_tp}: the transformers engine (--engine=hf) has no tensor "
@@ -107,7 +107,11 @@ def load_split(cfg: Config, tok, workdir: str, procs: multihost.Processes, split
     path = d.dataset if split == "train" else d.validation_dataset
     if not path:
         path = _synthetic(cfg, workdir, procs, split, log)
-    return data_lib.load_dataset(path, tok, cfg.model.vision, data_lib.LoadOptions.from_config(d), log=log)
+    data, report = data_lib.load_dataset(path, tok, cfg.model.vision, data_lib.LoadOptions.from_config(d), log=log)
+    if cfg.rollout.engine == "vllm" and data.video_count and not family_of(cfg.model).vllm_videos:
+        raise ConfigError(f"{path}: {data.video_count} videos, but the vLLM engine runs {cfg.model.family} on images "
+                          "only (rollout_torch/vllm_engine.py says why); use --engine=hf, or data without videos")
+    return data, report
 
 
 def resolve_data_shapes(cfg: Config, train_set: data_lib.Dataset) -> Config:

@@ -27,9 +27,8 @@ from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from rollplex_jax.models.qwen2_5_vl.params import checkpoint_specs, init_params
-from rollplex_jax.models.qwen2_5_vl.text import final_norm
 from rollplex_jax.models.qwen3_vl.vision import vision_forward
-from tests.hf_reference import hf_forward, hf_model, mm_inputs, params_of
+from tests.hf_reference import assert_forward_parity, assert_rope_index_parity, hf_model, mm_inputs, vision_tower_case
 from tests.paths import REPO
 
 TOL = 1e-4
@@ -47,21 +46,9 @@ ROWS = [
 
 
 def _forward_parity(cfg: ModelConfig, prog: ProgramConfig):
-    hf = hf_model(cfg, seed=1)
-    params = params_of(hf, cfg)
-    inp = mm_inputs(cfg, ROWS, np.random.default_rng(0))
-    ref = hf_forward(hf, cfg, inp, output_hidden_states=True)
-    logits, hidden = M.full_forward(params, cfg, M.prepare_inputs(cfg, **inp), return_hidden=True, prog=prog)
-    real = inp["attention_mask"].astype(bool)
-    assert np.abs(np.asarray(logits)[real] - ref.logits.numpy()[real]).max() <= TOL
-    n = cfg.text.num_hidden_layers  # transformers records each layer's output before its DeepStack addition
-    for i in range(n - 1):
-        diff = np.abs(np.asarray(hidden[i])[real] - ref.hidden_states[i + 1].numpy()[real]).max()
-        assert diff <= TOL, f"layer {i}: {diff}"
-    if len(cfg.vision.deepstack_visual_indexes) == n:  # the last layer's DeepStack comes after its record
-        return
-    normed = final_norm(params, hidden[-1], cfg.text)
-    assert np.abs(np.asarray(normed)[real] - ref.hidden_states[n].numpy()[real]).max() <= TOL
+    # transformers records each layer's output before its DeepStack addition: the last layer's tap comes after
+    taps = len(cfg.vision.deepstack_visual_indexes)
+    assert_forward_parity(cfg, ROWS, prog, TOL, last_normed=taps < cfg.text.num_hidden_layers)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -76,13 +63,7 @@ def test_tied_and_blockwise_match_transformers():
 
 def test_vision_tower_and_deepstack_match_transformers():
     cfg = tiny_qwen3_vl_config(**CONFIGS["deepstack2_gqa4"])
-    hf = hf_model(cfg, seed=2)
-    params = params_of(hf, cfg)
-    grids = np.array([[1, 8, 8], [1, 4, 6], [2, 8, 12], [1, 18, 14]], np.int64)
-    pix = np.random.default_rng(3).standard_normal((int(np.prod(grids, -1).sum()), cfg.vision.patch_dim))
-    pix = pix.astype(np.float32)
-    with torch.no_grad():
-        ref = hf.model.visual(torch.from_numpy(pix), grid_thw=torch.from_numpy(grids))
+    pix, grids, ref, params = vision_tower_case(cfg)
     layout = rope.vision_layout(grids, cfg.vision).arrays()
     ours = np.asarray(vision_forward(params, cfg.vision, pix, layout))
     d = cfg.vision.out_hidden_size
@@ -92,18 +73,7 @@ def test_vision_tower_and_deepstack_match_transformers():
 
 
 def test_rope_index_matches_transformers():
-    cfg = tiny_qwen3_vl_config()
-    hf = hf_model(cfg)
-    inp = mm_inputs(cfg, ROWS, np.random.default_rng(0))
-    ref, deltas = hf.model.get_rope_index(
-        torch.from_numpy(inp["input_ids"]), torch.from_numpy(rope.token_types(inp["input_ids"], cfg)),
-        image_grid_thw=torch.from_numpy(inp["image_grid_thw"]), video_grid_thw=torch.from_numpy(inp["video_grid_thw"]),
-        attention_mask=torch.from_numpy(inp["attention_mask"]))
-    ours, nxt = rope.get_rope_index(inp["input_ids"], inp["attention_mask"], cfg, inp["image_grid_thw"],
-                                    inp["video_grid_thw"])
-    real = inp["attention_mask"].astype(bool)
-    np.testing.assert_array_equal(ours[:, real], ref.numpy()[:, real])
-    np.testing.assert_array_equal(nxt, deltas.numpy().reshape(-1) + real.sum(1))  # delta: next - real length
+    assert_rope_index_parity(tiny_qwen3_vl_config(), ROWS)
 
 
 def test_interleaved_bands():

@@ -49,8 +49,8 @@ from rollplex_jax.models.qwen2_5_vl.layers import constrain_kv, layer_params, re
 from rollplex_jax.models.qwen2_5_vl.text import (
     LayerInputs,
     decoder_layer,
-    deepstack_inputs,
     embed,
+    embed_vision,
     final_norm,
     lm_logits,
 )
@@ -223,7 +223,7 @@ def _decoder(params, cfg: ModelConfig, h, inp: LayerInputs, prefix: PrefixState 
              deepstack: list | None = None):
     """Runs all layers on h [B, N, T, D] (``inp``: rotation, tokens' validity [B, N, T] and packed rows' segment
     ids; attending to ``prefix``'s KV if given); returns final-normed h, per-layer outputs and (k, v).
-    ``deepstack`` (Qwen3-VL, ``text.deepstack_inputs``): [B, N, T, D] added to the output of layer k after it
+    ``deepstack`` (Qwen3-VL, ``text.embed_vision``): [B, N, T, D] added to the output of layer k after it
     is recorded (transformers records the layer's own output). Unrolled, one checkpoint per layer (module
     docstring: why not a scan)."""
     hidden, kvs = [], []
@@ -248,8 +248,8 @@ def _rows_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_em
     pk = inputs.packing
     src = inputs if pk is None else pk
     index = None if pk is None else pk.vision_index
-    h = embed(params, cfg, src.input_ids, vision_embeds, src.token_types, index)[:, None]
-    deepstack = [x[:, None] for x in deepstack_inputs(cfg, vision_embeds, src.token_types, index)]
+    h, deepstack = embed_vision(params, cfg, src.input_ids, vision_embeds, src.token_types, index)
+    h, deepstack = h[:, None], [x[:, None] for x in deepstack]
     cos, sin = rope.mrope_cos_sin(src.positions, cfg.text, h.dtype)
     if pk is None:
         valid, segments = inputs.attention_mask[:, None].astype(bool), None  # [B, 1, T]; left padding

@@ -92,18 +92,30 @@ def lm_logits(p: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def embed(p: dict, cfg: ModelConfig, input_ids: jax.Array, vision_embeds: jax.Array | None,
           token_types: jax.Array | None = None, vision_index: jax.Array | None = None) -> jax.Array:
-    """Token embeddings with image/video pad tokens replaced by vision tokens, in order.
+    """Token embeddings with image/video pad tokens replaced by vision tokens, in order (``embed_vision``)."""
+    return embed_vision(p, cfg, input_ids, vision_embeds, token_types, vision_index)[0]
+
+
+def embed_vision(p: dict, cfg: ModelConfig, input_ids: jax.Array, vision_embeds: jax.Array | None,
+                 token_types: jax.Array | None = None, vision_index: jax.Array | None = None):
+    """(token embeddings [..., T, D] with the vision tokens in place, Qwen3-VL's DeepStack additions).
 
     Image pads (over the whole batch, row-major) take ``vision_embeds[:n_image]`` and video
     pads the rows after, as in transformers (images first, then videos). ``token_types``
     (0 text, 1 image, 2 video) says which tokens are placeholders; ``vision_index`` (packed rows, whose order
-    is not the batch's: ``packing.Packing``) which embedding each takes.
+    is not the batch's: ``packing.Packing``) which embedding each takes. ``vision_embeds`` [rows, embed_width] is
+    the merger's output then each DeepStack tap's (``qwen3_vl/vision.py``): the additions are, per tapped vision
+    block k, the [..., T, D] added to decoder layer k's output, that block's merged features at the vision tokens
+    and 0 elsewhere (empty for Qwen2.5-VL or without vision). Each token's row is gathered once, whole.
     """
     e = p["model.embed_tokens.weight"][input_ids]
     if vision_embeds is None:
-        return e
-    feats, is_vision = _vision_features(vision_embeds[:, :e.shape[-1]], token_types, vision_index)
-    return jnp.where(is_vision[..., None], feats.astype(e.dtype), e)
+        return e, []
+    d = e.shape[-1]
+    feats, is_vision = _vision_features(vision_embeds, token_types, vision_index)
+    h = jnp.where(is_vision[..., None], feats[..., :d].astype(e.dtype), e)
+    taps = jnp.where(is_vision[..., None], feats[..., d:], 0)
+    return h, [taps[..., k * d:(k + 1) * d] for k in range(len(cfg.vision.deepstack_visual_indexes))]
 
 
 def _vision_features(vision_embeds: jax.Array, token_types: jax.Array, vision_index: jax.Array | None):
@@ -117,17 +129,3 @@ def _vision_features(vision_embeds: jax.Array, token_types: jax.Array, vision_in
         idx = jnp.where(img, jnp.cumsum(img) - 1, jnp.sum(img) + jnp.cumsum(vid) - 1)
     feats = vision_embeds[jnp.clip(idx, 0, vision_embeds.shape[0] - 1)]
     return feats.reshape(*token_types.shape, -1), (img | vid).reshape(token_types.shape)
-
-
-def deepstack_inputs(cfg: ModelConfig, vision_embeds: jax.Array | None, token_types: jax.Array,
-                     vision_index: jax.Array | None = None) -> list[jax.Array]:
-    """Qwen3-VL's DeepStack: per tapped vision block k, the [..., T, D] additions to decoder layer k's output,
-    that block's merged features at the vision tokens and 0 elsewhere (``vision_embeds`` [rows, embed_width]:
-    the merger's output then each tap's, ``qwen3_vl/vision.py``). Empty for Qwen2.5-VL or without vision."""
-    taps = len(cfg.vision.deepstack_visual_indexes)
-    if vision_embeds is None or not taps:
-        return []
-    d = cfg.text.hidden_size
-    feats, is_vision = _vision_features(vision_embeds[:, d:], token_types, vision_index)
-    feats = jnp.where(is_vision[..., None], feats, 0)
-    return [feats[..., k * d:(k + 1) * d] for k in range(taps)]

@@ -8,7 +8,7 @@ LayerNorm before the 2x2 concatenation, and DeepStack: the output of each block 
 goes through a merger of its own (LayerNorm after the concatenation). The tower returns every vision token's
 merged embedding and its DeepStack features side by side, [tokens, (1 + K) x out_hidden_size]
 (``VisionConfig.embed_width``): one array, so the vision buffer, the programs and the chunks carry them as they
-carry Qwen2.5-VL's; ``text.deepstack_inputs`` splits them.
+carry Qwen2.5-VL's; ``text.embed_vision`` splits them.
 
 Attention, the rotary positions, segment gathers and the groups over the mesh are Qwen2.5-VL's
 (``qwen2_5_vl/vision.py``): the layout's full-attention segments (``frame_gather``, ``frame_ids``) serve every
