@@ -88,16 +88,22 @@ def test_weight_sync_refills_the_rebuilt_buffers_of_the_classification():
         assert sim.schedules[name].phases["weight_sync"] == pytest.approx(expect) and expect > 0
     full = planner.param_counts(cfg).total * 2 / 1  # bf16, rollout tp 1: serial still copies the whole shard
     assert sim.schedules["serial"].phases["weight_sync"] == pytest.approx(full / hw.intra_bw)
-    # one process: the refill runs after the update, beside the next step's host work; the rollout waits for the
-    # later of the two (serial's full copy stays on the critical path)
+    # one process per device (launch.plan's default, --process_devices 0): each engine reads an all-gathered copy
+    # inside the bind, before the rollout, on the critical path as serial's full copy is
+    for name in ("rollplex", "sharing_only", "serial"):
+        sc = sim.schedules[name]
+        assert {p: a for _, p, a, _ in sc.spans}["prefill"] == pytest.approx(
+            sc.phases["host"] + sc.phases["input_prep"] + sc.phases["weight_sync"])
+    # one process driving all 8: the refill runs after the update, beside the next step's host work; the rollout
+    # waits for the later of the two (serial's full copy stays on the critical path)
+    one = _config("configs/qwen2_5_vl_7b_8dev.flags", "--train_fsdp=1", "--train_tp=2", "--rollout_tp=1",
+                  "--process_devices=8")
+    sim = simulator.simulate(one, hw, planner.Lengths.from_config(one))
     for name in ("rollplex", "sharing_only"):
         sc = sim.schedules[name]
         starts = {p: a for _, p, a, _ in sc.spans}
         host = sc.phases["host"] + sc.phases["input_prep"]
         assert starts["weight_sync"] == 0 and starts["prefill"] == pytest.approx(max(host, expect))
-    sc = sim.schedules["serial"]
-    assert {p: a for _, p, a, _ in sc.spans}["prefill"] == pytest.approx(
-        sc.phases["host"] + sc.phases["input_prep"] + sc.phases["weight_sync"])
     # one device, the transformers engine: every tensor aligned (a view of the actor's), nothing to refill
     one = _config("configs/bench_cpu.flags")
     assert (one.rollout.engine, one.mesh.train_devices, one.mesh.rollout_tp) == ("hf", 1, 1)
@@ -321,3 +327,17 @@ def test_calibration_report_by_hand():
     want = simulator.simulate(cfg, hardware.H800, SIM_LENGTHS, response_mean=7.5).schedules["serial"].step_s
     assert rep["modes"]["serial"]["predicted_s"] == want
     assert want != simulator.simulate(cfg, hardware.H800).schedules["serial"].step_s  # not the config's maxima
+
+
+def test_one_process_driving_several_devices_decodes_on_one_engine():
+    """At rollout TP 1 each process runs one engine on its first device: one process per device (launch.plan's
+    default) decodes on all 8, one process driving all 8 (``--process_devices=8``) on one, with every answer."""
+    hw = hardware.H800
+    sims = {}
+    for pd in (0, 8):
+        cfg = _config("configs/qwen2_5_vl_7b_8dev.flags", "--rollout_tp=1", f"--process_devices={pd}")
+        sims[pd] = simulator.simulate(cfg, hw, planner.Lengths.from_config(cfg))
+    rows = cfg.rl.batch_prompts * cfg.rollout.group_size
+    assert sims[0].details["rollout_rows_per_replica"] == -(-rows // 8)
+    assert sims[8].details["rollout_rows_per_replica"] == rows
+    assert sims[8].schedules["rollplex"].phases["decode"] > 3 * sims[0].schedules["rollplex"].phases["decode"]

@@ -4,7 +4,8 @@ Every function takes the step's ``Setup`` (config, hardware, lengths, mesh, prog
 figures derived from them) and the pool of devices it runs on; ``schedules`` places the phases on a
 timeline. Costs of the programs come from ``costs``.
 
-- rollout (engine replicas of ``rollout_tp`` devices, rows = B G / replicas, waves of ``max_batch``; the
+- rollout (engine replicas of ``rollout_tp`` devices, or one per process where a process drives several devices at
+  rollout TP 1 (``engine_replicas``), rows = B G / replicas, waves of ``max_batch``; the
   prefill and the engine's vision run once per prompt, B / replicas, not per answer):
   prefill = prefill_fixed + F_prefill / (rollout_tp x peak x mfu_prefill); engine vision = images x
   (engine_image_s + patches x engine_patch_s) where the patch cost is measured (CPU), else images x
@@ -46,10 +47,12 @@ timeline. Costs of the programs come from ``costs``.
   reads and writes each byte at HBM bandwidth; the rest comes from the other devices of the training
   fsdp x tp group, over NVLink when that group fits in a node (``hw.devices_per_node``), else the network:
     t_sync = 2 (R - R_remote) / hbm_bw + R_remote / link_bw
-  (taking both maxima, an upper bound on the slowest device's time). In one process (the devices fit a node)
-  the runtime refills these buffers right after the update on a side thread (``WeightPublisher.refill``), so
-  the sync runs beside the next step's host work and the rollout waits only for what it does not hide;
-  with several processes the engine reads an all-gathered copy inside the bind. Until issue 16 this was
+  (taking both maxima, an upper bound on the slowest device's time). In one process driving every device
+  (``cfg.mesh.processes`` 1) the runtime refills these buffers right after the update on a side thread
+  (``WeightPublisher.refill``), so the sync runs beside the next step's host work and the rollout waits only for
+  what it does not hide; with several processes (one per device: ``launch.plan``'s default, the SLURM layout on
+  GPUs) the engine reads an all-gathered copy inside the bind, before every rollout, on the critical path (until
+  2026-12-07 the simulator hid it whenever the devices fit a node, whatever the processes). Until issue 16 this was
   max(0, P/rollout_tp - P/(fsdp tp)) b / intra_bw, which is 0 whenever the TPs match although vLLM's
   fused tensors are rebuilt every step.
 - input assembly (host, ``hw.host_copy_bw`` > 0 only: CPU): the patch bytes of the rows scored (B x G
@@ -137,6 +140,14 @@ class Setup:
         return self.cfg.rl.uses_reference
 
 
+def engine_replicas(cfg: Config, n_dev: int, rollout_tp: int) -> int:
+    """Engines decoding on ``n_dev`` devices: one per ``rollout_tp`` devices, except that at rollout TP 1 a
+    process driving several devices (``--process_devices`` > 1) runs one engine, on its first device."""
+    if rollout_tp == 1 and cfg.mesh.process_devices > 1:
+        return max(1, n_dev // cfg.mesh.process_devices)
+    return max(1, n_dev // rollout_tp)
+
+
 def rollout(s: Setup, n_dev: int) -> tuple[float, float, float]:
     """(prefill, vision in the engine, decode) seconds on a pool of n_dev devices. The engines prefill and
     vision-encode each prompt once for its G answers (HF: ``hf_decode``; vLLM: its prefix cache, reset per bind),
@@ -144,7 +155,7 @@ def rollout(s: Setup, n_dev: int) -> tuple[float, float, float]:
     cfg, hw, x, dt, b = s.cfg, s.hw, s.cfg.model.text, s.dt, s.b
     Tp, Tv, Tr, Tm, n_img = (s.lengths.prompt_tokens, s.lengths.vision_tokens, s.lengths.response_tokens,
                              s.response_mean, s.patches)
-    replicas = max(1, n_dev // s.mesh.rollout_tp)
+    replicas = engine_replicas(cfg, n_dev, s.mesh.rollout_tp)
     rows = math.ceil(s.rows / replicas)
     prompts = math.ceil(cfg.rl.batch_prompts / replicas)
     waves = math.ceil(rows / cfg.rollout.max_batch)
@@ -320,4 +331,4 @@ def weight_sync(s: Setup) -> WeightSync:
                       serial_s=full_copy / hw.intra_bw,
                       rollplex_s=2 * max(0, rebuilt - remote) / hw.hbm_bw + remote / link_bw,
                       transfer_s=full_copy / hw.inter_bw if mesh.devices > 1 else 0.0,
-                      after_update=mesh.devices <= hw.devices_per_node)
+                      after_update=s.cfg.mesh.processes == 1)

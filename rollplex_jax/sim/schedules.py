@@ -39,6 +39,7 @@ from rollplex_jax.sim.phases import (
     Setup,
     WeightSync,
     dp_allreduce,
+    engine_replicas,
     input_prep,
     rollout,
     training,
@@ -250,7 +251,7 @@ def _assumptions(s: Setup, sync: WeightSync, pools: tuple[int, int], dps: tuple[
         s.pm.describe(),
         f"devices {mesh.devices}: training dp {mesh.dp} x fsdp {mesh.fsdp} x tp {mesh.tp} (params over fsdp x tp, "
         f"replicated over dp; optimizer state over {mesh.optimizer_shards * mesh.weight_shards} devices), rollout tp "
-        f"{mesh.rollout_tp} ({mesh.devices // mesh.rollout_tp} replicas)",
+        f"{mesh.rollout_tp} ({engine_replicas(s.cfg, mesh.devices, mesh.rollout_tp)} engine(s) decoding)",
         _dp_line(mesh, dp, hw, "dp all-reduce", s.cfg.mesh.dp_placement),
         f"weight sync per step: serial/disaggregated a full engine copy ({sync.full_copy_bytes / 1e9:.2f} GB per "
         f"device; NVLink colocated, network disaggregated); rollplex refills only the engine-owned (rebuilt) "
@@ -312,7 +313,7 @@ def simulate(cfg: Config, hw: Hardware, lengths: Lengths | None = None, devices:
                                              "weight_sync": sync.rollplex_s, **train(name, sharing, True)},
                                       overlap, hw, sync_beside_host=sync.after_update)
     scheds["disaggregated"], pools, pool, pool_dp, notes = _disaggregated(s, disagg_split, sync, applied)
-    details = {"rollout_rows_per_replica": math.ceil(s.rows / max(1, D // s.mesh.rollout_tp)),
+    details = {"rollout_rows_per_replica": math.ceil(s.rows / engine_replicas(s.cfg, D, s.mesh.rollout_tp)),
                "params": s.counts.total, "disagg_pools": list(pools),
                "dp_allreduce": {"run": dataclasses.asdict(dp), "disaggregated": dataclasses.asdict(pool_dp)},
                "weight_sync": {"layout": sync.layout, "rebuilt_bytes_per_device": int(sync.rebuilt_bytes),
