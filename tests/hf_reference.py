@@ -75,7 +75,9 @@ def mm_inputs(cfg: ModelConfig, rows: list[list], rng: np.random.Generator):
                 if kind == "video" and cfg.family == "qwen3_vl":
                     frame = n // grid[0] // merge
                     for f in range(grid[0]):
-                        seq += [30 + f, 40] + [cfg.vision_start_token_id] + [tok] * frame + [cfg.vision_end_token_id]
+                        # text ids of the vocabulary (the demo's has 32: 8-12 there)
+                        stamp = [30 + f, 40] if 41 + f < cfg.text.vocab_size else [8 + f % 4, 12]
+                        seq += stamp + [cfg.vision_start_token_id] + [tok] * frame + [cfg.vision_end_token_id]
                     continue
                 seq += [cfg.vision_start_token_id] + [tok] * (n // merge) + [cfg.vision_end_token_id]
             else:

@@ -140,11 +140,14 @@ def test_micro_batches_equal_serial(tmp_path, micro, mini, sharing, temperature)
 
 def _video_prompts(cfg: ModelConfig, tmp_path) -> Prompts:
     """Two prompts built by hand: a 32-frame mp4 at 2 fps (t 4, 1 s per step) after an image, and a 5-frame list at
-    4 fps (t 3, 0.5 s per step); every frame 56x56 (4 merged tokens per step)."""
+    4 fps (t 3, 0.5 s per step); every frame 2 x 2 merged tokens (56x56 for Qwen2.5-VL, 64x64 for Qwen3-VL)."""
     (tmp_path / "frames").mkdir()
     specs = [video_spec(write_video(tmp_path / "a.mp4", 32, noise=True)),
              video_spec({"video": write_frames(tmp_path / "frames", 5), "fps": 4.0})]
-    plans = [probe_video(s, VideoRule(min_pixels=28 * 28, max_pixels=56 * 56)) for s in specs]
+    v = cfg.vision
+    side = v.patch_size * v.spatial_merge_size
+    plans = [probe_video(s, VideoRule(min_pixels=side * side, max_pixels=4 * side * side), side,
+                         patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size) for s in specs]
     rows = [[1, 9, ("image", (1, 4, 4)), 10, ("video", plans[0].grid_thw), 11, 12],
             [1, 13, ("video", plans[1].grid_thw), 14, 15, 16, 17]]
     inp = mm_inputs(cfg, rows, np.random.default_rng(0))
@@ -169,13 +172,15 @@ def _steps(cfg, prompts, n=2):
     return metrics, params
 
 
-def test_video_prompts_rollplex_equals_serial(tmp_path):
-    """The rollplex prefix (vision tower over the videos' frames, their time-scaled M-RoPE positions) shared by G
-    answers gives the serial step's update on prompts with videos."""
-    serial = _config(tmp_path, "s")
+@pytest.mark.parametrize("model", ["demo.json", "demo_qwen3_vl.json"])
+def test_video_prompts_rollplex_equals_serial(tmp_path, model):
+    """The rollplex prefix (vision tower over the videos' frames, their M-RoPE positions: time-scaled for
+    Qwen2.5-VL, one block per frame for Qwen3-VL, with its DeepStack taps) shared by G answers gives the serial
+    step's update on prompts with videos."""
+    serial = _config(tmp_path, "s", model=model)
     prompts = _video_prompts(serial.model, tmp_path)
     (ma, pa), (mb, pb) = (_steps(serial, prompts),
-                          _steps(_config(tmp_path, "r", schedule="rollplex"), prompts))
+                          _steps(_config(tmp_path, "r", model=model, schedule="rollplex"), prompts))
     assert any(m["skipped_steps/no_signal"] == 0 for m in ma)
     for x, y in zip(ma, mb, strict=True):
         assert x["reward/mean"] == y["reward/mean"]
