@@ -85,14 +85,26 @@ def params(cfg):
     return init_params(cfg, jax.random.PRNGKey(0), std=0.1)
 
 
-@pytest.fixture(scope="module")
-def engine(cfg, tmp_path_factory):
+def start_engine(cfg, tmp_path_factory):
+    """A multimodal VLLMEngine over a weightless model dir of ``cfg`` (its family's), at most 2 images a prompt."""
     shim = sys.modules.get("sitecustomize")
     if shim is None or not shim.__file__.endswith(os.path.join("tests_vllm", "shim", "sitecustomize.py")):
-        pytest.fail("vLLM's Qwen2.5-VL needs tests_vllm/shim on PYTHONPATH here (make test-vllm): without it vLLM "
-                    "fails to inspect the model class (torchvision imports)")
-    eng = VLLMEngine(write_model_dir(tmp_path_factory.mktemp("qwen2_5_vl"), cfg), multimodal=True,
-                     max_model_len=512, max_num_seqs=16, limit_mm_per_prompt={"image": 2, "video": 0})
+        pytest.fail(f"vLLM's {cfg.family} needs tests_vllm/shim on PYTHONPATH here (make test-vllm): without it "
+                    "vLLM fails to inspect the model class or build its processor (torchvision imports)")
+    return VLLMEngine(write_model_dir(tmp_path_factory.mktemp(cfg.family), cfg), multimodal=True,
+                      max_model_len=512, max_num_seqs=16, limit_mm_per_prompt={"image": 2, "video": 0})
+
+
+def outside_actor_buffers(engine, params) -> list[str]:
+    """vLLM's parameters whose bytes do not lie inside one of the actor arrays' buffers (empty: all shared)."""
+    spans = [(a.unsafe_buffer_pointer(), a.unsafe_buffer_pointer() + a.nbytes) for a in params.values()]
+    return [n for n, t in engine.engine_tensors().items()
+            if not t.numel() or not any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in spans)]
+
+
+@pytest.fixture(scope="module")
+def engine(cfg, tmp_path_factory):
+    eng = start_engine(cfg, tmp_path_factory)
     yield eng
     eng.release()  # raises if a view of actor memory survived in vLLM's model
 
@@ -198,9 +210,7 @@ def test_every_vllm_parameter_is_inside_an_actor_buffer(engine, cfg, params, not
     tensors = engine.engine_tensors()
     assert len(tensors) == len(params)  # the actor stores vLLM's layout: one parameter each
     assert {n.split(".")[0] for n in tensors} == {"visual", "language_model"}
-    spans = [(a.unsafe_buffer_pointer(), a.unsafe_buffer_pointer() + a.nbytes) for a in params.values()]
-    outside = [n for n, t in tensors.items()
-               if not t.numel() or not any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in spans)]
+    outside = outside_actor_buffers(engine, params)
     assert not outside, outside
     report = engine.sharing_report()
     assert report.counts[REBUILT] == 0 and report.bytes[REBUILT] == 0  # TP 1, vocab a multiple of 64
@@ -209,19 +219,28 @@ def test_every_vllm_parameter_is_inside_an_actor_buffer(engine, cfg, params, not
          f"bytes={report.bytes}")
 
 
-def test_images_of_several_sizes_match_jax(engine, cfg, params, note):
-    """Three prompts: one image, two images of other sizes, none; sampled with n > 1, then greedy copies."""
+IMAGE_ROWS = [[1, 5, 6, ("image", (1, 8, 8)), 7, 8],  # one image, two of other sizes, none
+              [1, ("image", (1, 4, 6)), 9, 10, ("image", (1, 6, 4)), 11],
+              [1, 40, 41, 42]]
+
+
+def sample_image_rows(engine, cfg, params):
+    """(prompts, rollouts): ``IMAGE_ROWS`` sampled 3 times each (T = 1, 12 tokens) by ``engine`` bound to
+    ``params``."""
     bind(engine, cfg, params)
-    rows = [[1, 5, 6, ("image", (1, 8, 8)), 7, 8],
-            [1, ("image", (1, 4, 6)), 9, 10, ("image", (1, 6, 4)), 11],
-            [1, 40, 41, 42]]
-    prompts = mm_prompts(cfg, rows, np.random.default_rng(1))
+    prompts = mm_prompts(cfg, IMAGE_ROWS, np.random.default_rng(1))
     r = engine.generate(prompts, n=3, sampling=SamplingParams(temperature=1.0, max_new_tokens=12, seed=3))
     assert r.response_ids.shape == r.logprobs.shape == (3, 3, 12) and (r.lengths == 12).all()
     assert len({tuple(r.response_ids[0, g]) for g in range(3)}) > 1  # the n samples differ
+    return prompts, r
+
+
+def test_images_of_several_sizes_match_jax(engine, cfg, params, note):
+    """Three prompts: one image, two images of other sizes, none; sampled with n > 1, then greedy copies."""
+    prompts, r = sample_image_rows(engine, cfg, params)
     got = score(r, jax_logprobs(cfg, params, prompts, r))
-    note(f"multimodal: mean exp|engine - jax| logprob, fp32, 3 prompts x 3 samples, images {rows[0][3][1]}, "
-         f"{rows[1][1][1]} + {rows[1][4][1]}: {got:.8f}")
+    note(f"multimodal: mean exp|engine - jax| logprob, fp32, 3 prompts x 3 samples, images (1, 8, 8), (1, 4, 6) "
+         f"+ (1, 6, 4): {got:.8f}")
     assert got <= CRITERION
     other = dataclasses.replace(prompts, pixel_values=prompts.pixel_values[::-1].copy())
     assert score(r, jax_logprobs(cfg, params, other, r)) > CRITERION  # the check sees the images' content

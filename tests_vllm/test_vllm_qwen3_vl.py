@@ -7,15 +7,21 @@ the taps off and adds them to its first decoder layers. Scored against our JAX m
 (helpers from ``test_vllm_multimodal``). Needs the test-only torchvision shim on ``PYTHONPATH`` (``make test-vllm``).
 """
 
-import os
-import sys
 
 import jax
 import numpy as np
 import pytest
-from test_vllm_multimodal import CRITERION, bind, jax_logprobs, mm_prompts, score, write_model_dir
+from test_vllm_multimodal import (
+    CRITERION,
+    bind,
+    jax_logprobs,
+    mm_prompts,
+    outside_actor_buffers,
+    sample_image_rows,
+    score,
+    start_engine,
+)
 
-from rollout_torch.vllm_engine import VLLMEngine
 from rollplex_contract.batch import SamplingParams
 from rollplex_contract.layout import REBUILT
 from rollplex_jax.config.model import tiny_qwen3_vl_config
@@ -39,12 +45,7 @@ def params(cfg):
 
 @pytest.fixture(scope="module")
 def engine(cfg, tmp_path_factory):
-    shim = sys.modules.get("sitecustomize")
-    if shim is None or not shim.__file__.endswith(os.path.join("tests_vllm", "shim", "sitecustomize.py")):
-        pytest.fail("vLLM's Qwen3-VL needs tests_vllm/shim on PYTHONPATH here (make test-vllm): without it vLLM "
-                    "fails to build its processor (torchvision imports)")
-    eng = VLLMEngine(write_model_dir(tmp_path_factory.mktemp("qwen3_vl"), cfg), multimodal=True,
-                     max_model_len=512, max_num_seqs=16, limit_mm_per_prompt={"image": 2, "video": 0})
+    eng = start_engine(cfg, tmp_path_factory)
     yield eng
     eng.release()  # raises if a view of actor memory survived in vLLM's model
 
@@ -56,9 +57,7 @@ def test_every_vllm_parameter_is_inside_an_actor_buffer(engine, cfg, params, not
     tensors = engine.engine_tensors()
     assert len(tensors) == len(params)
     assert any("deepstack_merger_list" in n for n in tensors)
-    spans = [(a.unsafe_buffer_pointer(), a.unsafe_buffer_pointer() + a.nbytes) for a in params.values()]
-    outside = [n for n, t in tensors.items()
-               if not t.numel() or not any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in spans)]
+    outside = outside_actor_buffers(engine, params)
     assert not outside, outside
     report = engine.sharing_report()
     assert report.counts[REBUILT] == 0 and report.total_bytes == sum(int(a.nbytes) for a in params.values())
@@ -68,13 +67,7 @@ def test_every_vllm_parameter_is_inside_an_actor_buffer(engine, cfg, params, not
 def test_images_of_several_sizes_match_jax(engine, cfg, params, note):
     """One image, two images of other sizes, none; sampled n > 1, then greedy. Scoring with the taps' features
     zeroed fails: vLLM added the DeepStack taps it was given."""
-    bind(engine, cfg, params)
-    rows = [[1, 5, 6, ("image", (1, 8, 8)), 7, 8],
-            [1, ("image", (1, 4, 6)), 9, 10, ("image", (1, 6, 4)), 11],
-            [1, 40, 41, 42]]
-    prompts = mm_prompts(cfg, rows, np.random.default_rng(1))
-    r = engine.generate(prompts, n=3, sampling=SamplingParams(temperature=1.0, max_new_tokens=12, seed=3))
-    assert r.response_ids.shape == (3, 3, 12) and (r.lengths == 12).all()
+    prompts, r = sample_image_rows(engine, cfg, params)
     got = score(r, jax_logprobs(cfg, params, prompts, r))
     note(f"Qwen3-VL: mean exp|engine - jax| logprob, fp32, 3 prompts x 3 samples, images (1,8,8), (1,4,6) + (1,6,4), "
          f"DeepStack taps from vision blocks 2 and 0: {got:.8f}")
