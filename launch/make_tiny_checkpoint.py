@@ -1,5 +1,5 @@
-"""Write a random-init Qwen2.5-VL checkpoint (HF layout) from a model config, e.g. the tiny one, optionally with a
-small Qwen-like Hugging Face tokenizer beside it.
+"""Write a random-init Qwen2.5-VL or Qwen3-VL checkpoint (HF layout, with its ``preprocessor_config.json``) from a
+model config, e.g. the tiny one, optionally with a small Qwen-like Hugging Face tokenizer beside it.
 
   python -m launch.make_tiny_checkpoint --out=DIR [--model_config=configs/models/tiny.json] [--seed=0]
   python -m launch.make_tiny_checkpoint --out=DIR --with_tokenizer
@@ -8,8 +8,9 @@ The directory loads in transformers (`Qwen2_5_VLForConditionalGeneration.from_pr
 with `--model_dir=DIR` in our launchers. `--with_tokenizer` also writes a byte-level BPE with Qwen's special
 tokens (`save_bpe_tokenizer`, trained here on a few lines: nothing downloaded) and sets the config's special ids
 and vocabulary to it, so `--model_dir=DIR` runs the HFTokenizer path (Qwen's chat layout, system prompt, real BPE
-lengths) on a tiny model: what issue 30's shape benchmark trains (launch/bench_shapes.py). Tests reuse
-`save_bpe_tokenizer` (tests/data/test_tokenizer.py).
+lengths) on a tiny model: what issue 30's shape benchmark trains (launch/bench_shapes.py), and what
+`tests_vllm/test_vllm_runtime.py` trains with `--engine=vllm` (vLLM's processor reads the preprocessor config). Tests
+reuse `save_bpe_tokenizer` (tests/data/test_tokenizer.py).
 """
 
 import dataclasses
@@ -85,8 +86,26 @@ def write_model_dir(out, cfg: ModelConfig, *, seed: int = 0, std: float = 0.02, 
         save_bpe_tokenizer(out, vocab_size=vocab_size)
         cfg = fit_to_tokenizer(cfg, HFTokenizer(out))
     params = init_params(cfg, jax.random.key(seed), std=std)
+    write_preprocessor_config(out, cfg)
     files = save_hf_checkpoint(out, cfg, params)
     return cfg, count_params(params), len(files)
+
+
+def write_preprocessor_config(out, cfg: ModelConfig, max_merged_tokens: int = 256) -> None:
+    """``preprocessor_config.json`` as a checkpoint of ``cfg``'s family has one (what vLLM's processor reads): the
+    PIL image processor (no torchvision), patch / merge / temporal sizes and normalization from ``cfg.vision``,
+    images of 4 to ``max_merged_tokens`` merged tokens."""
+    import json
+
+    v = cfg.vision
+    unit = (v.patch_size * v.spatial_merge_size) ** 2
+    processor = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[cfg.family]
+    pre = {"image_processor_type": "Qwen2VLImageProcessorPil", "processor_class": processor,
+           "patch_size": v.patch_size, "merge_size": v.spatial_merge_size, "temporal_patch_size": v.temporal_patch_size,
+           "size": {"shortest_edge": 4 * unit, "longest_edge": max_merged_tokens * unit},
+           "image_mean": list(v.image_mean), "image_std": list(v.image_std)}
+    with open(os.path.join(out, "preprocessor_config.json"), "w") as f:
+        json.dump(pre, f, indent=2)
 
 
 def main(argv):

