@@ -44,12 +44,17 @@ def visible_gpus(environ=os.environ) -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
+def with_device_count(xla_flags: str, devices: int) -> str:
+    """``xla_flags`` (an XLA_FLAGS value) with its fake CPU device count replaced by ``devices``, the rest kept."""
+    keep = [f for f in xla_flags.split() if "xla_force_host_platform_device_count" not in f]
+    return " ".join([*keep, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def child_env(i: int, gpus: list[str], cpu: bool, environ=os.environ) -> dict:
     """Process i's environment: GPU i alone, or one fake CPU device."""
     env = dict(environ)
     if cpu:
-        flags_ = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join([*flags_, "--xla_force_host_platform_device_count=1"]))
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=with_device_count(env.get("XLA_FLAGS", ""), 1))
     else:
         env["CUDA_VISIBLE_DEVICES"] = gpus[i]
     return env

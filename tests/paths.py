@@ -8,5 +8,6 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def xla_flags(devices: int) -> str:
     """This process's XLA_FLAGS (the Makefile's compile-speed flags among them) with ``devices`` fake CPU devices."""
-    keep = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    return " ".join([*keep, f"--xla_force_host_platform_device_count={devices}"])
+    from launch.local import with_device_count
+
+    return with_device_count(os.environ.get("XLA_FLAGS", ""), devices)

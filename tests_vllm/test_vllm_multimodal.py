@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from launch.make_tiny_checkpoint import write_preprocessor_config
 from rollout_torch.vllm_engine import VLLMEngine
 from rollplex_contract.batch import Prompts, SamplingParams
 from rollplex_contract.layout import REBUILT
@@ -59,14 +60,7 @@ def write_model_dir(path, cfg) -> str:
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", bos_token="<|im_start|>",
                             eos_token="<|im_end|>", additional_special_tokens=list(special.values())[3:]
                             ).save_pretrained(path)
-    v, side = cfg.vision, cfg.vision.patch_size * cfg.vision.spatial_merge_size
-    processor = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[cfg.family]
-    pre = {"image_processor_type": "Qwen2VLImageProcessorPil", "processor_class": processor,
-           "patch_size": v.patch_size, "merge_size": v.spatial_merge_size, "temporal_patch_size": v.temporal_patch_size,
-           "size": {"shortest_edge": (2 * side) ** 2, "longest_edge": (4 * side) ** 2},
-           "image_mean": list(v.image_mean), "image_std": list(v.image_std)}
-    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
-        json.dump(pre, f, indent=2)
+    write_preprocessor_config(path, cfg, max_merged_tokens=16)
     return os.fspath(path)
 
 

