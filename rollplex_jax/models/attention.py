@@ -38,6 +38,11 @@ How (``blockwise``, FlashAttention-2 in ``lax`` loops, a ``jax.custom_vjp``):
   in both paths (the dense softmax of an all-masked row would average every value).
 - a call whose queries and every source fit in one block runs the dense path: blockwise would
   compute that very block, plus loop overhead.
+- ``row_groups`` (segment ids only; the vision tower's frames packed into full-attention rows): the rows
+  are visited one at a time in an outer loop, each over the key blocks its own ids can see (a block whose
+  valid keys' ids meet none of a query block's is fully masked: skipping it changes nothing), instead of
+  every row over the union of all rows' blocks. Measured in ``CPU_ROW_BLOCK``'s comment: 45 -> 20 ms on
+  the mixed-size bench's frames.
 - on a CPU the block is first cut to fit the cache (``cache_block``: one fp32 score block of all the
   call's rows at most ``CPU_BLOCK_BYTES``), so a large batch of short rows runs blockwise too: a
   [32 rows x 4 heads, 277, 277] dense block streams through memory in every fused pass over it
@@ -71,6 +76,11 @@ from rollplex_jax.models.platform import platform
 
 log = logging.getLogger(__name__)
 _F32 = jnp.float32
+# The CPU block of a per-row call (``row_groups``). Measured (2026-12-07, this 2-core CPU, value_and_grad, 2 heads
+# of d 16, median of 7): frames [780, 200] + [400, 300, 250] patches in two rows of 1024: 45 ms batched at block
+# 512 (the cache's), per row 43 / 27 / 24 / 20 / 29 ms at blocks 512 / 256 / 128 / 64 / 32; 4 rows of one
+# 324-patch frame in 512: 16.7 batched, per row 19 / 19 / 10 / 11 / 17 ms.
+CPU_ROW_BLOCK = 64
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "valid", "segments", "q_segments"],
@@ -105,12 +115,16 @@ class KVSource:
         return self.k.shape[-3]
 
 
-def attention(q: jax.Array, sources: list[KVSource], *, impl: str = "blockwise", block: int = 512) -> jax.Array:
+def attention(q: jax.Array, sources: list[KVSource], *, impl: str = "blockwise", block: int = 512,
+              row_groups: int = 0) -> jax.Array:
     """Softmax attention (fp32 softmax) of q [B, N, T, H, d] over the sources' keys together.
 
     Args:
       impl: ``blockwise``, ``dense`` or ``cudnn`` (``ProgramConfig.attention``).
       block: query/key block length of the blockwise path (``ProgramConfig.attention_block``).
+      row_groups: with segment ids and rows longer than a block, > 0 visits the B rows one at a time (viewed as
+        [row_groups, B / row_groups], the groups a sharded call splits B into), each over the blocks its own ids
+        see (``blockwise.py``): the vision tower's frames packed into rows. 0: every row with every block.
 
     Returns:
       [B, N, T, H * d] in q's dtype; 0 in rows with no visible key.
@@ -125,13 +139,27 @@ def attention(q: jax.Array, sources: list[KVSource], *, impl: str = "blockwise",
     if impl not in ("blockwise", "dense"):
         raise ValueError(f"attention impl {impl!r}: use blockwise, dense or cudnn")
     if impl == "blockwise":
-        block = cache_block(block, b * n * h, t, max(s.length for s in sources))
+        block, row_groups = _blocking(block, q.shape, sources, row_groups)
     if impl == "dense" or (t <= block and all(s.length <= block for s in sources)):
         return dense_attention(q, sources)
-    return blockwise_attention(q, sources, block)
+    return blockwise_attention(q, sources, block, row_groups)
 
 
-def cache_block(block: int, rows: int, t: int, s: int) -> int:
+def _blocking(block: int, shape: tuple, sources: list[KVSource], row_groups: int) -> tuple[int, int]:
+    """(block, row_groups) of a blockwise call of q ``shape`` [B, N, T, H, d]: rows one at a time where the
+    sources have segment ids, a row is longer than its block (within one block there is nothing to skip) and
+    the batched call is more than one dense block (4 rows of one 256-patch frame: 3.6 ms dense, 4.6 per row)."""
+    b, n, t, h, _ = shape
+    length = max(s.length for s in sources)
+    batched = cache_block(block, b * n * h, t, length)
+    if row_groups and any(segment_ids(s) is not None for s in sources) and max(t, length) > batched:
+        row_block = cache_block(block, row_groups * n * h, t, length, per_row=True)
+        if max(t, length) > row_block:
+            return row_block, row_groups
+    return batched, 0
+
+
+def cache_block(block: int, rows: int, t: int, s: int, per_row: bool = False) -> int:
     """The blockwise block length to use for ``rows`` = B*N*H score rows, T queries and S keys (at most ``block``).
 
     On a CPU, ``block`` is halved (not below 16) until one fp32 score block [rows, bq, bk] fits
@@ -142,9 +170,14 @@ def cache_block(block: int, rows: int, t: int, s: int) -> int:
     400 / 242 / 250 ms and gradient 1642 / 1032 / 763 / 693 ms at blocks 512 / 256 / 128 / 64; the text
     decoder's causal attention, 32 rows x 277 tokens, 4 heads over 2 kv heads, d 16: forward 113 (dense,
     one block) / 56 / 30 ms and gradient 172 / 208 / 96 ms at 512 / 128 / 64. Results equal up to float
-    summation order (5e-7). Elsewhere (GPU) ``block`` is returned as given."""
+    summation order (5e-7). Elsewhere (GPU) ``block`` is returned as given.
+
+    ``per_row`` (rows visited one at a time, skipping the blocks their segment ids do not see): at most
+    ``CPU_ROW_BLOCK``, small enough to skip at a frame's granularity."""
     if platform() != "cpu":
         return block
+    if per_row:
+        block = min(block, CPU_ROW_BLOCK)
     while block > 16 and rows * min(block, t) * min(block, s) * 4 > CPU_BLOCK_BYTES:
         block //= 2
     return block

@@ -1,6 +1,8 @@
 """The blockwise (FlashAttention-2) kernel of ``attention.py``: online softmax in ``lax`` loops, a ``jax.custom_vjp``.
 
 How it works, and why it is a custom_vjp, is in ``attention.py``'s docstring; this module holds the kernel.
+With ``row_groups`` the forward and backward loop over the rows first (``_rows_fwd``, ``_rows_bwd``): each row's
+loops are bounded by the blocks its segment ids see (``_seg_bounds``), computed for every row before the loop.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class _Spec:
     q_offset: tuple[int, ...]
     shared: tuple[bool, ...]
     scale: float
+    row_groups: int = 0  # > 0: rows one at a time, the B axis viewed as [row_groups, B / row_groups] (below)
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int, value=0) -> jax.Array:
@@ -41,14 +44,19 @@ def _pad_to(x: jax.Array, axis: int, multiple: int, value=0) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-def blockwise_attention(q: jax.Array, sources: list[KVSource], block: int) -> jax.Array:
-    """q [B, N, T, H, d] -> [B, N, T, H*d] by the online-softmax kernel (custom_vjp, module docstring)."""
+def blockwise_attention(q: jax.Array, sources: list[KVSource], block: int, row_groups: int = 0) -> jax.Array:
+    """q [B, N, T, H, d] -> [B, N, T, H*d] by the online-softmax kernel (custom_vjp, module docstring).
+
+    row_groups > 0 (segmented sources only): the rows are visited one at a time (the B axis viewed as
+    [row_groups, B / row_groups], the first axis kept as a batch: the fsdp groups of a sharded call), each with
+    the key blocks its own segment ids can see (``_seg_bounds``), instead of every row with every block."""
     b, n, t, h, d = q.shape
     bq = min(block, t)
     bks = tuple(min(block, s.length) for s in sources)
+    segmented = any(segment_ids(s) is not None for s in sources)
     spec = _Spec(bq=bq, bk=bks, causal=tuple(s.causal for s in sources),
                  q_offset=tuple(s.q_offset for s in sources), shared=tuple(s.shared for s in sources),
-                 scale=d**-0.5)
+                 scale=d**-0.5, row_groups=row_groups if segmented and row_groups > 0 and b % row_groups == 0 else 0)
     qg = _pad_to(group_heads(q, sources[0].k.shape[-2]), 2, bq)
     ks = tuple(_pad_to(s.k, s.k.ndim - 3, bk) for s, bk in zip(sources, bks, strict=True))
     vs = tuple(_pad_to(s.v, s.v.ndim - 3, bk) for s, bk in zip(sources, bks, strict=True))
@@ -65,19 +73,26 @@ def _flash(spec: _Spec, q, ks, vs, valids, segs):
     return _flash_fwd(spec, q, ks, vs, valids, segs)[0]
 
 
-def _key_blocks(spec: _Spec, s: int, i, nk: int):
-    """[lo, hi) key blocks of source s that query block i can see (all of them unless causal)."""
+def _narrow(lo, hi, bounds, index):
+    """[lo, hi) intersected with a row's segment bounds (``_seg_bounds``: lo [n], hi [n]) at ``index``."""
+    if bounds is None:
+        return lo, hi
+    return jnp.maximum(lo, bounds[0][index]), jnp.minimum(hi, bounds[1][index])
+
+
+def _key_blocks(spec: _Spec, s: int, i, nk: int, bounds=None):
+    """[lo, hi) key blocks of source s that query block i can see (all of them unless causal or bounded)."""
     if not spec.causal[s]:
-        return 0, nk
+        return _narrow(0, nk, bounds, i)
     last_row = (i + 1) * spec.bq - 1 + spec.q_offset[s]
-    return 0, jnp.clip(last_row // spec.bk[s] + 1, 0, nk)
+    return _narrow(0, jnp.clip(last_row // spec.bk[s] + 1, 0, nk), bounds, i)
 
 
-def _query_blocks(spec: _Spec, s: int, j, nq: int):
+def _query_blocks(spec: _Spec, s: int, j, nq: int, bounds=None):
     """[lo, hi) query blocks that see some key of key block j of source s."""
     if not spec.causal[s]:
-        return 0, nq
-    return jnp.clip((j * spec.bk[s] - spec.q_offset[s]) // spec.bq, 0, nq), nq
+        return _narrow(0, nq, bounds, j)
+    return _narrow(jnp.clip((j * spec.bk[s] - spec.q_offset[s]) // spec.bq, 0, nq), nq, bounds, j)
 
 
 def _slice(x, start, size: int, axis: int):
@@ -133,6 +148,23 @@ def _fwd_step(spec: _Spec, s: int, qi, i, src: _Src, j, state):
 
 def _flash_fwd(spec: _Spec, q, ks, vs, valids, segs):
     """Forward of q [B, N, T, K, G, d]: (out like q, (residuals)); out 0 where no key is visible."""
+    if spec.row_groups:
+        out, lse = _rows_fwd(spec, q, (ks, vs, valids, segs))
+    else:
+        out, lse = _fwd(spec, q, (ks, vs, valids, segs), None)
+    return out, (q, ks, vs, valids, segs, out, lse)
+
+
+def _bounds_of(bounds, s: int, keys: bool):
+    """Source s's (lo, hi) segment bounds over key blocks (``keys``) or query blocks, or None."""
+    if bounds is None or bounds[s] is None:
+        return None
+    return bounds[s][:2] if keys else bounds[s][2:]
+
+
+def _fwd(spec: _Spec, q, srcs: tuple, bounds):
+    """(out like q, log-sum-exp [B, N, K, G, T]) of q over the sources (ks, vs, valids, segs)."""
+    ks, vs, valids, segs = srcs
     b, n, t, kh, g, d = q.shape
     nq = t // spec.bq
 
@@ -142,7 +174,7 @@ def _flash_fwd(spec: _Spec, q, ks, vs, valids, segs):
         state = (jnp.full((b, n, kh, g, spec.bq), -jnp.inf, _F32), jnp.zeros((b, n, kh, g, spec.bq), _F32),
                  jnp.zeros((b, n, kh, g, spec.bq, d), _F32))
         for s, src in enumerate(_Src(*a) for a in zip(ks, vs, valids, segs, strict=True)):
-            lo, hi = _key_blocks(spec, s, i, src.k.shape[-3] // spec.bk[s])
+            lo, hi = _key_blocks(spec, s, i, src.k.shape[-3] // spec.bk[s], _bounds_of(bounds, s, True))
             state = jax.lax.fori_loop(lo, hi, functools.partial(_fwd_step, spec, s, qi, i, src), state)
         m, total, acc = state
         seen = total > 0
@@ -153,8 +185,7 @@ def _flash_fwd(spec: _Spec, q, ks, vs, valids, segs):
                                                   i * spec.bq, axis=2)
         return out, jax.lax.dynamic_update_slice_in_dim(lse, lse_i, i * spec.bq, axis=4)
 
-    out, lse = jax.lax.fori_loop(0, nq, q_block, (jnp.zeros_like(q), jnp.zeros((b, n, kh, g, t), _F32)))
-    return out, (q, ks, vs, valids, segs, out, lse)
+    return jax.lax.fori_loop(0, nq, q_block, (jnp.zeros_like(q), jnp.zeros((b, n, kh, g, t), _F32)))
 
 
 def _bwd_step(spec: _Spec, s: int, kv_j: tuple, j, g: _Grad, src: _Src, i, carry):
@@ -175,7 +206,7 @@ def _bwd_step(spec: _Spec, s: int, kv_j: tuple, j, g: _Grad, src: _Src, i, carry
     return dq, dk, dv
 
 
-def _source_bwd(spec: _Spec, s: int, g: _Grad, src: _Src, dq):
+def _source_bwd(spec: _Spec, s: int, g: _Grad, src: _Src, dq, bounds=None):
     """Gradients w.r.t. one source's k, v (fp32, like k) and its share of dq, looping over key blocks."""
     k, v = src.k, src.v
     bk, axis = spec.bk[s], k.ndim - 3
@@ -185,7 +216,7 @@ def _source_bwd(spec: _Spec, s: int, g: _Grad, src: _Src, dq):
         dq, dk, dv = carry
         kj, vj = _slice(k, j * bk, bk, axis), _slice(v, j * bk, bk, axis)
         zeros = jnp.zeros(kj.shape, _F32)
-        lo, hi = _query_blocks(spec, s, j, nq)
+        lo, hi = _query_blocks(spec, s, j, nq, bounds)
         step = functools.partial(_bwd_step, spec, s, (kj, vj), j, g, src)
         dq, dkj, dvj = jax.lax.fori_loop(lo, hi, step, (dq, zeros, zeros))
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dkj, j * bk, axis=axis)
@@ -198,13 +229,96 @@ def _source_bwd(spec: _Spec, s: int, g: _Grad, src: _Src, dq):
 def _flash_bwd(spec: _Spec, res, do):
     q, ks, vs, valids, segs, out, lse = res
     delta = jnp.einsum("bnqkgd,bnqkgd->bnkgq", do.astype(_F32), out.astype(_F32))
-    g = _Grad(q, do, lse, delta)
-    dq, dks, dvs = jnp.zeros(q.shape, _F32), [], []
-    for s, src in enumerate(_Src(*a) for a in zip(ks, vs, valids, segs, strict=True)):
-        dq, dk, dv = _source_bwd(spec, s, g, src, dq)
-        dks.append(dk.astype(src.k.dtype))
-        dvs.append(dv.astype(src.v.dtype))
-    return dq.astype(q.dtype), tuple(dks), tuple(dvs), None, None
+    g, srcs = _Grad(q, do, lse, delta), (ks, vs, valids, segs)
+    dq, dks, dvs = _rows_bwd(spec, g, srcs) if spec.row_groups else _bwd(spec, g, srcs, None)
+    return (dq.astype(q.dtype), tuple(dk.astype(k.dtype) for dk, k in zip(dks, ks, strict=True)),
+            tuple(dv.astype(v.dtype) for dv, v in zip(dvs, vs, strict=True)), None, None)
+
+
+def _bwd(spec: _Spec, g: _Grad, srcs: tuple, bounds):
+    """fp32 (dq, dks, dvs) of the sources (ks, vs, valids, segs)."""
+    dq, dks, dvs = jnp.zeros(g.q.shape, _F32), [], []
+    for s, src in enumerate(_Src(*a) for a in zip(*srcs, strict=True)):
+        dq, dk, dv = _source_bwd(spec, s, g, src, dq, _bounds_of(bounds, s, False))
+        dks.append(dk)
+        dvs.append(dv)
+    return dq, tuple(dks), tuple(dvs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows one at a time (``row_groups``): each row visits only the blocks its segment ids can see.
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_rows(x, groups: int):
+    """[B, ...] -> [groups, B / groups, ...] (the first axis stays a batch: a sharded call's fsdp groups)."""
+    return x.reshape(groups, x.shape[0] // groups, *x.shape[1:])
+
+
+def _row(tree, groups: int, r):
+    """Row r of every [B, ...] array of ``tree``: [groups, ...]."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(_as_rows(x, groups), r, 1, keepdims=False), tree)
+
+
+def _put_row(rows, r, value):
+    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), r, 1), rows, value)
+
+
+def _seg_bounds(spec: _Spec, s: int, t: int, valid, seg):
+    """Per row r of B / row_groups: (klo, khi) [R, nq], the key blocks each query block's segment ids can see,
+    and (qlo, qhi) [R, nk], the query blocks that see each key block (unions over the groups and N); None
+    without segments. A block outside them has no valid key whose id is in any of its queries' ids: fully
+    masked, it adds p = 0 and rescales by 1 (bitwise nothing), so skipping it is exact."""
+    if seg is None:
+        return None
+    qseg, kseg = seg
+    if spec.shared[s]:
+        kseg, valid = kseg[:, None], valid[:, None]
+    bk, nq, nk = spec.bk[s], t // spec.bq, kseg.shape[-1] // spec.bk[s]
+    big = jnp.iinfo(kseg.dtype).max
+    kb, vb = kseg.reshape(*kseg.shape[:-1], nk, bk), valid.reshape(*valid.shape[:-1], nk, bk)
+    kmin = jnp.where(vb, kb, big).min(-1)[:, :, None]  # [B, N or 1, 1, nk]: the ids of the block's valid keys
+    kmax = jnp.where(vb, kb, -big).max(-1)[:, :, None]
+    ids = qseg[..., None]  # [B, N, T, 1]
+    b, n = qseg.shape[:2]
+    cover = ((kmin <= ids) & (ids <= kmax)).reshape(spec.row_groups, b // spec.row_groups, n, nq, spec.bq, nk)
+    vis = cover.any(axis=(0, 2, 4))  # [R, nq, nk]
+    vis_t, jk, iq = jnp.swapaxes(vis, 1, 2), jnp.arange(nk), jnp.arange(nq)
+    return (jnp.where(vis, jk, nk).min(-1), jnp.where(vis, jk + 1, 0).max(-1),
+            jnp.where(vis_t, iq, nq).min(-1), jnp.where(vis_t, iq + 1, 0).max(-1))
+
+
+def _all_bounds(spec: _Spec, t: int, srcs: tuple):
+    _, _, valids, segs = srcs
+    return tuple(_seg_bounds(spec, s, t, valid, seg) for s, (valid, seg) in enumerate(zip(valids, segs, strict=True)))
+
+
+def _rows_fwd(spec: _Spec, q, srcs: tuple):
+    groups = spec.row_groups
+    bounds = _all_bounds(spec, q.shape[2], srcs)
+
+    def row(r, carry):
+        return _put_row(carry, r, _fwd(spec, _row(q, groups, r), _row(srcs, groups, r),
+                                       jax.tree.map(lambda a: a[r], bounds)))
+
+    b, n, t, kh, g, _ = q.shape
+    init = (jnp.zeros(_as_rows(q, groups).shape, q.dtype), jnp.zeros((groups, b // groups, n, kh, g, t), _F32))
+    out, lse = jax.lax.fori_loop(0, b // groups, row, init)
+    return out.reshape(q.shape), lse.reshape(b, n, kh, g, t)
+
+
+def _rows_bwd(spec: _Spec, g: _Grad, srcs: tuple):
+    groups = spec.row_groups
+    bounds = _all_bounds(spec, g.q.shape[2], srcs)
+
+    def row(r, carry):
+        return _put_row(carry, r, _bwd(spec, _row(g, groups, r), _row(srcs, groups, r),
+                                       jax.tree.map(lambda a: a[r], bounds)))
+
+    like = (g.q, srcs[0], srcs[1])
+    init = jax.tree.map(lambda x: jnp.zeros(_as_rows(x, groups).shape, _F32), like)
+    grads = jax.lax.fori_loop(0, g.q.shape[0] // groups, row, init)
+    return jax.tree.map(lambda a, x: a.reshape(x.shape), grads, like)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

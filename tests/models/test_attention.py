@@ -10,6 +10,7 @@ blocks so that it really runs several blocks (the default 512 would send these t
 """
 
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -19,6 +20,7 @@ import pytest
 
 from rollplex_jax.config import ProgramConfig, tiny_model_config
 from rollplex_jax.models import attention as A
+from rollplex_jax.models import blockwise as B
 from rollplex_jax.models.qwen2_5_vl import model as M
 from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.params import init_params
@@ -256,3 +258,55 @@ def test_program_config_is_validated():
                                                     packing=True, shape_buckets="64:512:1.25")
     with pytest.raises(ValueError, match="STEP:LINEAR_UNTIL:RATIO"):
         ProgramConfig(shape_buckets="64")
+
+
+def _frame_rows(rows, t):
+    """Segment ids [B, T] of frames packed in rows (ids 0.. in order, -1 after the last frame) and validity."""
+    seg = np.full((len(rows), t), -1, np.int32)
+    for r, frames in enumerate(rows):
+        seg[r, :sum(frames)] = np.repeat(np.arange(len(frames)), frames)
+    return jnp.asarray(seg), jnp.asarray(seg >= 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("row_groups", [1, 2])
+def test_rows_one_at_a_time_equal_the_batched_kernel(causal, row_groups):
+    """``row_groups`` (rows visited one at a time over the blocks their own segment ids see: the vision tower's
+    packed frames) = the batched kernel = dense, value and gradients (fp32: the same sums over fewer blocks, a
+    block skipped is fully masked; only the order XLA reduces one row's dot vs a batch's differs)."""
+    rng = np.random.default_rng(3)
+    rows, t, heads = [[10, 6, 2], [], [3, 3], [7, 5, 4]], 20, 2
+    seg, valid = _frame_rows(rows, t)
+    q, k, v = _normal(rng, 4, 1, t, heads, D), _normal(rng, 4, t, heads, D), _normal(rng, 4, t, heads, D)
+
+    def fn(groups, impl, block, q, k, v):
+        src = A.KVSource(k, v, valid, causal=causal, segments=seg, q_segments=seg[:, None])
+        return A.attention(q, [src], impl=impl, block=block, row_groups=groups)
+
+    # the same cotangents for both (a fresh generator of one seed each)
+    (dense, g_dense), (batched, g_batched) = _both(functools.partial(fn, 0), (q, k, v), np.random.default_rng(5), 4)
+    _, (rows_out, g_rows) = _both(functools.partial(fn, row_groups), (q, k, v), np.random.default_rng(5), 4)
+    _close(batched, dense)
+    _close(g_batched, g_dense)
+    _close(rows_out, batched)
+    _close(g_rows, g_batched)
+    assert np.all(np.asarray(rows_out)[1] == 0)  # a row of no frame: 0, as in the batched kernel
+
+
+def test_row_bounds_are_the_blocks_that_see_each_other():
+    """Each row's loop bounds (``blockwise._seg_bounds``) are exactly the first and last block pairs with a query
+    and a valid key of one id (frames are contiguous, so nothing between them is skipped wrongly)."""
+    rows, t, b = [[10, 6, 2], [3, 3], [], [20]], 20, 4
+    seg, valid = _frame_rows(rows, t)
+    spec = B._Spec(bq=b, bk=(b,), causal=(False,), q_offset=(0,), shared=(True,), scale=1.0, row_groups=1)
+    klo, khi, qlo, qhi = (np.asarray(a) for a in B._seg_bounds(spec, 0, t, valid, (seg[:, None], seg)))
+    s, m = np.asarray(seg), np.asarray(valid)
+    for r in range(len(rows)):
+        see = (s[r][:, None] == s[r][None, :]) & m[r][None, :]  # [T queries, T keys]
+        vis = see.reshape(t // b, b, t // b, b).any(axis=(1, 3))  # [query blocks, key blocks]
+        for i in range(t // b):
+            js = np.flatnonzero(vis[i])
+            assert (klo[r, i], khi[r, i]) == ((js[0], js[-1] + 1) if js.size else (t // b, 0)), (r, i)
+        for j in range(t // b):
+            iz = np.flatnonzero(vis[:, j])
+            assert (qlo[r, j], qhi[r, j]) == ((iz[0], iz[-1] + 1) if iz.size else (t // b, 0)), (r, j)

@@ -78,7 +78,9 @@ def segment_attention(p: dict, prefix: str, x, cos, sin, seg, cfg: VisionConfig,
     segments = None if ids is None else constrain_rows(ids.reshape(g * segs, length))
     src = KVSource(by_segment(k), by_segment(v), constrain_rows(valid.reshape(g * segs, length)), right_padded=True,
                    segments=segments, q_segments=None if ids is None else segments[:, None])
-    out = attention(by_segment(q)[:, None], [src], impl=prog.attention, block=prog.attention_block)[:, 0]
+    # frames packed in rows (ids given): each row attends over its own frames' blocks only (``row_groups``)
+    out = attention(by_segment(q)[:, None], [src], impl=prog.attention, block=prog.attention_block,
+                    row_groups=g)[:, 0]
     out = take_groups(out.reshape(g * segs * length, -1), slot).reshape(n, -1)  # back to patch order
     return linear(out, p[prefix + "proj.weight"], p[prefix + "proj.bias"])
 
