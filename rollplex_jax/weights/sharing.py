@@ -37,13 +37,16 @@ class WeightPublisher:
     creates views. ``gather``: params -> the arrays the engine reads (a multi-process run's all-gathered
     replicated copy, ``multihost.replicated_copy``; they live until ``release``); None = the params themselves.
     With a gather there is no side-thread refill: the gather is a collective every process must issue in the
-    same order, which a thread of its own would not keep.
+    same order, which a thread of its own would not keep. ``rollout_tp`` > 1: the engine is one tensor-parallel
+    rank, the one at device ``position`` (``classify.device_order``), bound to that device's shards.
     """
 
-    def __init__(self, engine, cfg: ModelConfig, gather: Callable[[Mapping[str, jax.Array]], dict] | None = None):
+    def __init__(self, engine, cfg: ModelConfig, gather: Callable[[Mapping[str, jax.Array]], dict] | None = None,
+                 rollout_tp: int = 1, position: int = 0):
         self.engine = engine
         self.layout = engine_layouts.for_engine(engine.layout, cfg)
         self.gather = gather
+        self.rollout_tp, self.position = rollout_tp, position
         self.plan: SharingPlan | None = None
         self._key = None
         self._arrays = None
@@ -58,12 +61,17 @@ class WeightPublisher:
         arrays = dict(params) if self.gather is None else self.gather(params)
         key = _layout_key(arrays)
         if not _layout_equal(key, self._key):
-            self.plan = plan_for_params(arrays, self.layout, 1, positions=[0], layout_name=self.engine.layout)
+            self.plan = plan_for_params(arrays, self.layout, self.rollout_tp, positions=[self.position],
+                                        layout_name=self.engine.layout)
             self._key = key
         refilled = done is not None and _same(arrays, done.params) and done.nbytes > 0
         self.refilled_bytes = done.nbytes if refilled else 0
         again = self.gather is None and _layout_equal(key, self._published[0]) and _same(arrays, self._published[1])
-        self.engine.bind(self.plan.ranks[0], device_shards(arrays), refilled=refilled or again)
+        at = {"position": self.position} if self.position else {}  # a TP rank (vLLM); the HF engine has rank 0 only
+        shards = device_shards(arrays)
+        if self.gather is not None and self.position:  # the gathered copy, this device's alone, at the rank's place
+            shards = {k: [s._replace(position=self.position) for s in v] for k, v in shards.items()}
+        self.engine.bind(self.plan.ranks[self.position], shards, refilled=refilled or again, **at)
         self._arrays = arrays if self.gather is not None else None
         # the same arrays published again (a skipped update, validation): the rebuilt buffers hold them already
         self._published = (key, {k: weakref.ref(v) for k, v in arrays.items()} if self.gather is None else {})
@@ -78,7 +86,7 @@ class WeightPublisher:
         self.join()
         if self.gather is not None or self.plan is None or self.version is not None:
             return  # still bound (views alive), or nothing classified yet: publish fills
-        if not any(rt.kind == REBUILT for rt in self.plan.ranks[0]):
+        if not any(rt.kind == REBUILT for rt in self.plan.ranks[self.position]):
             return
         self._refill = _Refill(self.engine, dict(params), self._key, tracer, step)
 
@@ -106,7 +114,7 @@ class WeightPublisher:
         if self.plan is None:
             raise RuntimeError("report() needs a publish() first")
         rep = self.engine.sharing_report()
-        return dataclasses.replace(rep, details=self.plan.report(positions=[0]))
+        return dataclasses.replace(rep, details=self.plan.report(positions=[self.position]))
 
 
 def _layout_key(arrays: Mapping[str, jax.Array]) -> tuple:

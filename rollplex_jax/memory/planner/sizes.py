@@ -46,6 +46,18 @@ def _classification(model: ModelConfig, mesh, engine: str) -> dict:
     return rep
 
 
+def _engine_owned(cfg: Config, classification: dict) -> float:
+    """The engine-owned weight bytes per device: the classification's rebuilt bytes, except where the runtime's vLLM
+    TP ranks (several processes, ``--rollout_tp`` > 1 at train TP != rollout TP or fsdp > 1) read a copy
+    all-gathered whole (``multihost.ReplicatedCopy``, ``run.setup.rank_views_own_shards``): then what a TP-1
+    engine rebuilds, every split parameter whole."""
+    m = cfg.mesh
+    if m.processes == 1 or m.rollout_tp == 1 or (m.train_tp == m.rollout_tp and m.train_fsdp == 1):
+        return classification["extra_bytes_per_device"]
+    whole = dataclasses.replace(cfg, mesh=dataclasses.replace(m, rollout_tp=1))
+    return sharing_classification(whole)["extra_bytes_per_device"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Sizes:
     """Per-device figures both layouts share (bytes, unless a count)."""
@@ -116,7 +128,7 @@ def shared_sizes(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramModel
         master=shard.total * F32 / mesh.optimizer_shards if m.dtype != "float32" else 0.0,
         moments=2 * shard.trainable * F32 / mesh.optimizer_shards, opt_elems=shard.total / mesh.optimizer_shards,
         gathered=Gathered(g.all * b, g.forward * b, g.text_forward * b),
-        rollout_copy=P * b / mesh.rollout_tp, rebuilt=classification["extra_bytes_per_device"],
+        rollout_copy=P * b / mesh.rollout_tp, rebuilt=_engine_owned(cfg, classification),
         classification=classification, rows_roll=rows_roll, rollout_kv=rollout_kv, engine_tmp=engine_tmp,
         other_naive=B * G * (patches * v.patch_dim * F32 + (Tp + Tr) * 4 * 6) + rollouts_b,
         inputs_rollplex=rows.prefix_rows_total(cfg) * (patches * v.patch_dim * F32 + Tp * 4 * 6),
