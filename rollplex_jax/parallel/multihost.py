@@ -181,3 +181,31 @@ class ReplicatedCopy:
         self.gathered_bytes = sum(int(v.nbytes) for v in copy.values())
         self.viewed_bytes = sum(int(params[k].nbytes) for k in whole)
         return {k: self._local(copy[k] if k in copy else v) for k, v in params.items()}
+
+
+class RolloutTPCopy:
+    """What a vLLM TP rank reads when its device's training shards are not its own tensors (``--rollout_tp`` > 1 at
+    train TP != rollout TP or fsdp > 1): the params resharded, by one XLA program (all-gathers of fsdp pieces,
+    slices of tp ones), onto the rollout's layout: the same devices in process order as a dp' x fsdp 1 x tp
+    ``rollout_tp`` mesh (a TP group is consecutive processes), each parameter split over tp as the training rules
+    split it and replicated over the rest. Each device then holds its rank's slices (``copy_bytes``, engine-only,
+    freed at ``release``), not the whole model; ``position`` is this device's place in that mesh."""
+
+    def __init__(self, model_cfg, mesh, rollout_tp: int):
+        from rollplex_jax.config import MeshConfig
+        from rollplex_jax.parallel import mesh as mesh_lib
+
+        devices = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
+        rollout = mesh_lib.train_mesh(MeshConfig(train_dp=len(devices) // rollout_tp, train_tp=rollout_tp), devices)
+        self._shardings = mesh_lib.param_shardings(model_cfg, rollout)
+        self.position = list(rollout.devices.flat).index(jax.local_devices()[0])
+        self._copy = None
+        self.copy_bytes = 0
+
+    def __call__(self, params) -> dict:
+        if self._copy is None:
+            self._copy = jax.jit(lambda t: t, out_shardings={k: self._shardings[k] for k in params})
+        out = self._copy(dict(params))
+        jax.block_until_ready(out)
+        self.copy_bytes = sum(int(s.data.nbytes) for a in out.values() for s in a.addressable_shards)
+        return out

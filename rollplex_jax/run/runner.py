@@ -45,8 +45,6 @@ from rollplex_jax.run.checkpoint import Checkpointer
 from rollplex_jax.run.watchdog import located
 from rollplex_jax.step import rl_step
 from rollplex_jax.trace import Tracer, plot_timeline, write_chrome_trace
-from rollplex_jax.weights.classify import device_order
-from rollplex_jax.weights.sharing import WeightPublisher
 
 
 class Runner:
@@ -134,13 +132,9 @@ class Runner:
             split = make_split_programs(cfg.model, cfg.rl, cfg.programs, temperature=cfg.rollout.temperature)
         if cfg.memory.measure_memory:
             self.programs, split = run_setup.tracked(self.meter, self.programs, split)
-        tp, own = cfg.mesh.rollout_tp, run_setup.rank_views_own_shards(cfg)  # > 1: one vLLM rank per process
-        gather = multihost.ReplicatedCopy(self.mesh) if self.procs.many and not own else None
-        position = (device_order(self.state.params).index(jax.local_devices()[0]) if own else
-                    self.procs.index % tp) if tp > 1 else 0  # on the gathered copy: the rank in its group
         self.ctx = rl_step.StepContext(
             cfg=cfg, programs=self.programs, engine=self.engine,
-            publisher=WeightPublisher(self.engine, cfg.model, gather=gather, rollout_tp=tp, position=position),
+            publisher=run_setup.publisher(cfg, self.engine, self.mesh, self.procs, self.state.params),
             reward_fn=self.reward,
             decode=self.tokenizer.decode, stop_ids=tuple(sorted({self.tokenizer.eos_id, cfg.model.eos_token_id})),
             split=split, meter=self.meter, procs=self.procs)

@@ -41,7 +41,12 @@ def sharing_summary(report: SharingReport, gather=None) -> dict:
     the engine views its device's training shards where they hold whole params and an all-gathered copy of the
     rest, whose bytes are rebuilt (engine-only) whatever the per-tensor classification of the arrays it read."""
     out = report.to_dict()
-    if gather is not None:
+    if gather is not None and hasattr(gather, "copy_bytes"):  # multihost.RolloutTPCopy: a vLLM TP rank's slices
+        out["multi_process"] = {"resharded_copy_bytes": gather.copy_bytes, "note": (
+            "each process's vLLM TP rank reads the params resharded onto the rollout's TP layout before every rollout "
+            "(multihost.RolloutTPCopy, engine-only bytes): its own slices, not the whole model; the counts above "
+            "classify the tensors against that copy")}
+    elif gather is not None:
         out["multi_process"] = {"gathered_copy_bytes": gather.gathered_bytes,
                                 "viewed_training_shard_bytes": gather.viewed_bytes, "note": (
             "each process's engine views the training shards of its own device that hold whole params (a dp-only "

@@ -68,10 +68,7 @@ class WeightPublisher:
         self.refilled_bytes = done.nbytes if refilled else 0
         again = self.gather is None and _layout_equal(key, self._published[0]) and _same(arrays, self._published[1])
         at = {"position": self.position} if self.position else {}  # a TP rank (vLLM); the HF engine has rank 0 only
-        shards = device_shards(arrays)
-        if self.gather is not None and self.position:  # the gathered copy, this device's alone, at the rank's place
-            shards = {k: [s._replace(position=self.position) for s in v] for k, v in shards.items()}
-        self.engine.bind(self.plan.ranks[self.position], shards, refilled=refilled or again, **at)
+        self.engine.bind(self.plan.ranks[self.position], device_shards(arrays), refilled=refilled or again, **at)
         self._arrays = arrays if self.gather is not None else None
         # the same arrays published again (a skipped update, validation): the rebuilt buffers hold them already
         self._published = (key, {k: weakref.ref(v) for k, v in arrays.items()} if self.gather is None else {})
