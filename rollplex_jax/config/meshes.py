@@ -15,8 +15,9 @@ class MeshConfig:
     """Device meshes per role. Training: dp x fsdp x tp over the first dp x fsdp x tp devices: parameters
     sharded over fsdp x tp and replicated over dp, the batch split over dp x fsdp (the reference uses the
     training mesh; several processes form one mesh over all their devices). Rollout: its own TP degree; each
-    process's engine decodes its share of the prompts on its first device (``rollout_tp=1``), other degrees are
-    planned and classified by ``launch.plan`` only (a run refuses them with a clear error). ``process_devices``:
+    process's engine decodes its share of the prompts on its first device (``rollout_tp=1``); ``rollout_tp`` > 1:
+    vLLM ranks across processes, one device each, a TP group of consecutive processes decoding its share together
+    (``run.setup._check_rollout_tp``, ``multihost.RolloutTPCopy``). ``process_devices``:
     the devices each process drives (0: ``launch.main`` resolves the job's own, ``launch.plan`` plans 1, one
     process per device, the layout the SLURM script starts on GPUs)."""
 
