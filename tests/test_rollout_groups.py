@@ -31,3 +31,15 @@ def test_first_rows_of_none_is_an_empty_contribution():
     assert ro0.prefill_tokens == 0 and s0.failures == 0 and s0.overall.shape == (0,) and s0.parts["format"].size == 0
     ro2, s2 = first_rows(ro, scores, 2)
     assert ro2.response_ids.shape == (2, g, t) and s2.overall.tolist() == [0, 1, 2, 3] and ro2.prefill_tokens == 17
+
+
+@pytest.mark.parametrize("mesh, own", [(dict(train_tp=2, train_dp=2), True), (dict(train_tp=2), True),
+                                       (dict(train_tp=2, train_dp=2, dp_placement="within"), False),
+                                       (dict(train_fsdp=2), False), (dict(train_tp=4), False)])
+def test_a_rank_views_its_own_shards_only_where_its_tp_group_is_a_training_one(mesh, own):
+    """vLLM's TP groups are consecutive processes: a rank's own training shards are its tensors only where training
+    TP = rollout TP at fsdp 1 and a training tp group is consecutive devices (``--dp_placement=within`` puts dp
+    groups there); elsewhere it reads the resharded copy."""
+    from rollplex_jax.config import MeshConfig
+
+    assert MeshConfig(rollout_tp=2, **mesh).rollout_ranks_own_shards is own

@@ -31,6 +31,15 @@ class MeshConfig:
     process_devices: int = 0
 
     @property
+    def rollout_ranks_own_shards(self) -> bool:
+        """Each vLLM TP rank (``rollout_tp`` > 1, one process per device) is bound to its own device's training
+        shards, every tensor aligned: training TP = rollout TP at fsdp 1, a training tp group being consecutive
+        processes as vLLM's TP groups are (``dp_placement`` across, or dp 1). Otherwise a rank reads the params
+        resharded onto the rollout's TP layout (``multihost.RolloutTPCopy``)."""
+        consecutive = self.dp_placement == "across" or self.train_dp == 1
+        return self.rollout_tp > 1 and self.train_tp == self.rollout_tp and self.train_fsdp == 1 and consecutive
+
+    @property
     def processes(self) -> int:
         """Processes of the job (one engine each): the training devices over ``process_devices`` (0 plans 1)."""
         return max(1, self.train_devices // (self.process_devices or 1))

@@ -105,24 +105,17 @@ def _check_rollout_tp(cfg: Config, procs: multihost.Processes, environ=os.enviro
 def publisher(cfg: Config, engine, mesh, procs: multihost.Processes, params) -> WeightPublisher:
     """The engine's weight publisher. Several processes at rollout TP 1: each engine reads its device's whole
     shards and an all-gathered copy of the rest (``multihost.ReplicatedCopy``). ``--rollout_tp`` > 1: this
-    process's vLLM rank, at its device's position, views its own training shards (``rank_views_own_shards``) or
-    the params resharded onto the rollout's TP layout (``multihost.RolloutTPCopy``)."""
+    process's vLLM rank, at its device's position, views its own training shards
+    (``MeshConfig.rollout_ranks_own_shards``) or the params resharded onto the rollout's TP layout
+    (``multihost.RolloutTPCopy``)."""
     tp, gather = cfg.mesh.rollout_tp, None
     if procs.many and tp == 1:
         gather = multihost.ReplicatedCopy(mesh)
-    elif procs.many and not rank_views_own_shards(cfg):
+    elif procs.many and not cfg.mesh.rollout_ranks_own_shards:
         gather = multihost.RolloutTPCopy(cfg.model, mesh, tp)
     position = 0 if tp == 1 else gather.position if gather is not None else \
         device_order(params).index(jax.local_devices()[0])
     return WeightPublisher(engine, cfg.model, gather=gather, rollout_tp=tp, position=position)
-
-
-def rank_views_own_shards(cfg: Config) -> bool:
-    """A vLLM TP rank (``--rollout_tp`` > 1) is bound to its own device's training shards, every tensor aligned, when
-    training TP = rollout TP at fsdp 1; otherwise it reads the params resharded onto the rollout's TP layout before
-    each rollout (``multihost.RolloutTPCopy``: its own slices only)."""
-    m = cfg.mesh
-    return m.rollout_tp > 1 and m.train_tp == m.rollout_tp and m.train_fsdp == 1
 
 
 def resolve_process_devices(cfg: Config, procs: multihost.Processes) -> Config:

@@ -49,11 +49,11 @@ def _classification(model: ModelConfig, mesh, engine: str) -> dict:
 def _engine_owned(cfg: Config, classification: dict) -> float:
     """The engine-owned weight bytes per device: the classification's rebuilt bytes, except where the runtime's vLLM
     TP ranks (several processes, ``--rollout_tp`` > 1 at train TP != rollout TP or fsdp > 1) read the params
-    resharded onto the rollout's TP layout (``multihost.RolloutTPCopy``, ``run.setup.rank_views_own_shards``):
+    resharded onto the rollout's TP layout (``multihost.RolloutTPCopy``, ``MeshConfig.rollout_ranks_own_shards``):
     then that copy (each parameter split over rollout_tp as training splits it over tp) and what is rebuilt from
     it (fused tensors whose groups follow the training TP)."""
     m = cfg.mesh
-    if m.processes == 1 or m.rollout_tp == 1 or (m.train_tp == m.rollout_tp and m.train_fsdp == 1):
+    if m.processes == 1 or m.rollout_tp == 1 or m.rollout_ranks_own_shards:
         return classification["extra_bytes_per_device"]
     rollout = dataclasses.replace(m, train_dp=m.train_devices // m.rollout_tp, train_fsdp=1, train_tp=m.rollout_tp)
     copy = shard_counts(cfg, 1, m.rollout_tp).total * dtype_bytes(cfg.model)
