@@ -9,6 +9,8 @@ rank's rows go into the gathered batch.
 - 2 processes, ``--train_fsdp=2``: one TP group whose ranks read the params resharded onto the rollout's TP layout
   before each rollout (``multihost.RolloutTPCopy``): each rank's copy is its own slices (the bytes of one TP-2 rank,
   half the model's split tensors), not the whole model, and its tensors are aligned with it.
+- 4 processes, ``--train_tp=4``: two TP-2 groups over a TP-4 training mesh; the copy also regroups the fused q/k/v
+  and gate/up rows (4 groups in training, 2 for the engine), so they too are aligned with it.
 
 Checked, per step of two GRPO steps of the tiny Qwen2.5-VL (images: vLLM's vision tower runs TP 2 too): the run's
 own ``rollout/logprob_abs_diff_*`` (the engine's log-probs of its sampled tokens against the trainer's, fp32)
@@ -31,7 +33,8 @@ from rollplex_jax.config import tiny_model_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("nproc, mesh", [(4, ["--train_tp=2", "--train_dp=2"]), (2, ["--train_fsdp=2"])])
+@pytest.mark.parametrize("nproc, mesh", [(4, ["--train_tp=2", "--train_dp=2"]), (2, ["--train_fsdp=2"]),
+                                         (4, ["--train_tp=4"])])
 def test_two_steps_with_vllm_tp2_ranks_across_processes(nproc, mesh, tmp_path, note):
     write_model_dir(tmp_path / "model", tiny_model_config(text=qwen2_5.TEXT, vision=qwen2_5.VISION),
                     with_tokenizer=True)

@@ -188,23 +188,38 @@ class RolloutTPCopy:
     train TP != rollout TP or fsdp > 1): the params resharded, by one XLA program (all-gathers of fsdp pieces,
     slices of tp ones), onto the rollout's layout: the same devices in process order as a dp' x fsdp 1 x tp
     ``rollout_tp`` mesh (a TP group is consecutive processes), each parameter split over tp as the training rules
-    split it and replicated over the rest. Each device then holds its rank's slices (``copy_bytes``, engine-only,
-    freed at ``release``), not the whole model; ``position`` is this device's place in that mesh."""
+    split it and replicated over the rest. Fused tensors whose row groups follow the training TP are regrouped by
+    the rollout TP in the same program (``model``: the copy's layout), so every rank tensor is one contiguous slice
+    of it. Each device then holds its rank's slices (``copy_bytes``, engine-only, freed at ``release``), not the
+    whole model; ``position`` is this device's place in that mesh."""
 
     def __init__(self, model_cfg, mesh, rollout_tp: int):
         from rollplex_jax.config import MeshConfig
+        from rollplex_jax.models.qwen2_5_vl.fused import fused_tensors
         from rollplex_jax.parallel import mesh as mesh_lib
 
         devices = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
         rollout = mesh_lib.train_mesh(MeshConfig(train_dp=len(devices) // rollout_tp, train_tp=rollout_tp), devices)
-        self._shardings = mesh_lib.param_shardings(model_cfg, rollout)
+        self.model = model_cfg.with_param_layout(rollout_tp, model_cfg.text.vocab_multiple)
+        after = fused_tensors(self.model)
+        self._regroup = {k: (ft.parts, ft.groups, after[k].groups) for k, ft in fused_tensors(model_cfg).items()
+                         if ft.groups != after[k].groups}
+        self._shardings = mesh_lib.param_shardings(self.model, rollout)
         self.position = list(rollout.devices.flat).index(jax.local_devices()[0])
         self._copy = None
         self.copy_bytes = 0
 
+    def _layout(self, params: dict) -> dict:
+        from rollplex_jax.models.qwen2_5_vl.fused import fuse_rows, unfuse_rows
+
+        out = dict(params)
+        for k, (parts, before, after) in self._regroup.items():
+            out[k] = fuse_rows(unfuse_rows(out[k], parts, before), after)
+        return out
+
     def __call__(self, params) -> dict:
         if self._copy is None:
-            self._copy = jax.jit(lambda t: t, out_shardings={k: self._shardings[k] for k in params})
+            self._copy = jax.jit(self._layout, out_shardings={k: self._shardings[k] for k in params})
         out = self._copy(dict(params))
         jax.block_until_ready(out)
         self.copy_bytes = sum(int(s.data.nbytes) for a in out.values() for s in a.addressable_shards)

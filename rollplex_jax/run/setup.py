@@ -115,7 +115,8 @@ def publisher(cfg: Config, engine, mesh, procs: multihost.Processes, params) -> 
         gather = multihost.RolloutTPCopy(cfg.model, mesh, tp)
     position = 0 if tp == 1 else gather.position if gather is not None else \
         device_order(params).index(jax.local_devices()[0])
-    return WeightPublisher(engine, cfg.model, gather=gather, rollout_tp=tp, position=position)
+    model = gather.model if isinstance(gather, multihost.RolloutTPCopy) else cfg.model  # the copy's layout
+    return WeightPublisher(engine, model, gather=gather, rollout_tp=tp, position=position)
 
 
 def resolve_process_devices(cfg: Config, procs: multihost.Processes) -> Config:

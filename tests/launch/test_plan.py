@@ -189,9 +189,15 @@ def test_cli_32b_plan_fits_80gib_and_beats_naive_colocation():
     c = ws["classification"]
     mesh = {"dp": 4, "fsdp": 1, "tp": 8}
     assert (c["layout"], c["train_mesh"], c["rollout_tp"], c["devices"]) == ("vllm", mesh, 4, 32)
-    # at most a second copy of the rollout shard, plus the engine's vocabulary padding rows (all rebuilt here)
-    assert ws["rebuilt_bytes_per_device"] == c["extra_bytes_per_device"] <= ws["naive_copy_bytes_per_device"] * 1.001
-    assert rollplex["phases"]["rollout"]["rollout_weights"] == c["extra_bytes_per_device"]
+    # the classification against the training shards: at most a second copy of the rollout shard, plus the engine's
+    # vocabulary padding rows (all rebuilt here)
+    assert c["extra_bytes_per_device"] <= ws["naive_copy_bytes_per_device"] * 1.001
+    # what runs (issue 33): each TP 4 rank reads the params resharded onto TP 4 with the fused rows regrouped
+    # (multihost.RolloutTPCopy): a second copy of the rollout shard (its replicated norms and biases whole), nothing
+    # rebuilt from it
+    assert ws["rebuilt_bytes_per_device"] == rollplex["phases"]["rollout"]["rollout_weights"]
+    naive_copy = ws["naive_copy_bytes_per_device"]
+    assert naive_copy <= ws["rebuilt_bytes_per_device"] < 1.01 * naive_copy
     assert any("per-tensor classification" in a for a in out["assumptions"])
     assert any("dp 4 (--train_dp)" in a and "ZeRO-1" in a for a in out["assumptions"])
     assert out["smallest_budget"]["bytes"] <= rollplex["peak_bytes"]

@@ -50,14 +50,15 @@ def _engine_owned(cfg: Config, classification: dict) -> float:
     """The engine-owned weight bytes per device: the classification's rebuilt bytes, except where the runtime's vLLM
     TP ranks (several processes, ``--rollout_tp`` > 1 at train TP != rollout TP or fsdp > 1) read the params
     resharded onto the rollout's TP layout (``multihost.RolloutTPCopy``, ``MeshConfig.rollout_ranks_own_shards``):
-    then that copy (each parameter split over rollout_tp as training splits it over tp) and what is rebuilt from
-    it (fused tensors whose groups follow the training TP)."""
+    then that copy (each parameter split over rollout_tp as training splits it over tp, fused tensors regrouped by
+    the rollout TP) and what is still rebuilt from it."""
     m = cfg.mesh
     if m.processes == 1 or m.rollout_tp == 1 or m.rollout_ranks_own_shards:
         return classification["extra_bytes_per_device"]
     rollout = dataclasses.replace(m, train_dp=m.train_devices // m.rollout_tp, train_fsdp=1, train_tp=m.rollout_tp)
-    copy = shard_counts(cfg, 1, m.rollout_tp).total * dtype_bytes(cfg.model)
-    return copy + sharing_classification(dataclasses.replace(cfg, mesh=rollout))["extra_bytes_per_device"]
+    model = cfg.model.with_param_layout(m.rollout_tp, cfg.model.text.vocab_multiple)
+    copy = shard_counts(dataclasses.replace(cfg, model=model), 1, m.rollout_tp).total * dtype_bytes(cfg.model)
+    return copy + sharing_classification(dataclasses.replace(cfg, model=model, mesh=rollout))["extra_bytes_per_device"]
 
 
 @dataclasses.dataclass(frozen=True)
