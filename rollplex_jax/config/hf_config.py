@@ -10,6 +10,10 @@ tower without windows (every block attends to whole frames), a learned position 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+
 from rollplex_jax.config.model import FAMILIES, ConfigError, TextConfig, VisionConfig
 
 _IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "bos_token_id",
@@ -144,3 +148,52 @@ def hf_dict(cfg) -> dict:
         **{k: getattr(cfg, k) for k in _IDS[:4]},
         "text_config": text, "vision_config": vision,
     }
+
+
+# the processor files a checkpoint may carry: transformers 4.x's, or 5.x's with the image processor nested
+PROCESSOR_FILES = (("preprocessor_config.json", None), ("processor_config.json", "image_processor"))
+_SIZES = (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+          ("temporal_patch_size", "temporal_patch_size"))
+
+
+def read_processor_config(model_dir: str | os.PathLike) -> tuple[str, dict] | None:
+    """(path, the image processor's settings) of a checkpoint directory's processor file, or None without one."""
+    for name, key in PROCESSOR_FILES:
+        path = os.path.join(os.fspath(model_dir), name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"processor config {path!r} is not valid JSON: {e}") from None
+        d = d.get(key) if key else d
+        if isinstance(d, dict):
+            return path, d
+    return None
+
+
+def with_processor_config(vision: VisionConfig, path: str, d: dict) -> VisionConfig:
+    """``vision`` with the checkpoint's image normalization (``image_mean`` / ``image_std`` of its processor file
+    ``path``), after checking that the file cuts the patches the weights take (patch, merge and temporal sizes
+    equal the config's) and rescales and normalizes as the pipeline does. Min / max pixels stay flags
+    (``--min_pixels`` / ``--max_pixels``: a run's budget, not the model's)."""
+    for key, field in _SIZES:
+        if key in d and int(d[key]) != getattr(vision, field):
+            raise ConfigError(f"{path}: {key}={d[key]} but config.json's vision {field} is "
+                              f"{getattr(vision, field)}: the image processor must cut the patches the model's "
+                              f"weights take; fix one of the two files")
+    if d.get("do_rescale", True) is False or abs(float(d.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-9:
+        raise ConfigError(f"{path}: do_rescale / rescale_factor other than 1/255 is not supported (pixels are "
+                          "rescaled by 1/255 as Qwen's processors do)")
+    if d.get("do_normalize", True) is False:
+        raise ConfigError(f"{path}: do_normalize=false is not supported (Qwen's processors normalize)")
+    norm = {}
+    for key in ("image_mean", "image_std"):
+        if key in d:
+            x = d[key]
+            x = [x] * 3 if isinstance(x, (int, float)) else list(x)
+            if len(x) != 3 or (key == "image_std" and min(x) <= 0):
+                raise ConfigError(f"{path}: {key}={d[key]!r} is not three channel values (std > 0)")
+            norm[key] = tuple(float(v) for v in x)
+    return dataclasses.replace(vision, **norm)

@@ -256,7 +256,13 @@ class ModelConfig:
             raise ConfigError(f"model config file {str(path)!r} does not exist") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"model config file {str(path)!r} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(d, dtype=dtype)
+        cfg = cls.from_hf_dict(d, dtype=dtype)
+        if os.path.basename(os.fspath(path)) != "config.json":  # a bare model config, not a checkpoint's
+            return cfg
+        from rollplex_jax.config.hf_config import read_processor_config, with_processor_config
+
+        proc = read_processor_config(os.path.dirname(os.fspath(path)) or ".")
+        return cfg if proc is None else dataclasses.replace(cfg, vision=with_processor_config(cfg.vision, *proc))
 
     def to_hf_dict(self) -> dict:
         """The ``config.json`` dict transformers 5 writes for this model (a Qwen2.5-VL one loads in 4.x too)."""

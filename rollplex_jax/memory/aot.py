@@ -50,6 +50,7 @@ from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs
 from rollplex_jax.models.qwen2_5_vl.params import param_shapes
+from rollplex_jax.models.qwen2_5_vl.vision_chunks import slot_count
 from rollplex_jax.parallel import mesh as mesh_lib
 from rollplex_jax.programs import hlo_cost
 
@@ -143,6 +144,14 @@ class Abstract:
     def array(self, shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=self.replicated)
 
+    def buffer(self, spec, width: int, dtype) -> jax.ShapeDtypeStruct:
+        """A vision chunks' embeddings buffer of ``spec`` (``config.shapes.ChunkSpec``) [slots, groups x units,
+        width], split over the batch shards as the runtime's (``vision_chunks.constrain_buffer``)."""
+        axes = mesh_lib.batch_axes(self.mesh.shape) if self.mesh is not None else ()
+        s = None if not axes else NamedSharding(self.mesh, PartitionSpec(None, axes[0] if len(axes) == 1 else axes))
+        shape = (spec.buffer // spec.chunk_units, spec.chunk_units, width)
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=s or self.replicated)
+
     def inputs(self, rows: int, prompt_tokens: int, vision_tokens: int, response_tokens: int = 0,
                frames: int = 0, slots: int = 0) -> ModelInputs:
         """``rows`` unpadded rows of ``prompt_tokens`` (one image or video of ``vision_tokens`` merged tokens
@@ -166,7 +175,7 @@ class Abstract:
             positions=a(positions.shape, positions.dtype), next_position=a(next_pos.shape, next_pos.dtype),
             pixel_values=None if layout is None else a((patches, self.cfg.model.vision.patch_dim), jnp.float32),
             layout=None if layout is None else {k: a(np.shape(v), np.asarray(v).dtype) for k, v in layout.items()},
-            vision_slots=a((slots,), jnp.int32) if chunked else None)
+            vision_slots=a((slot_count(slots, rows, ids.shape[1]),), jnp.int32) if chunked else None)
 
     def chunk(self, spec, prompt_tokens: int, vision_tokens: int, frames: int = 0):
         """One vision chunk of ``spec`` (``config.shapes.ChunkSpec``) as abstract ``vision_chunks.VisionInputs``:

@@ -44,7 +44,7 @@ def _chunked_vision(ph: _Phases, cfg: Config, A: Abstract, sp, lengths, frames: 
         return None
     vin = A.chunk(ch, lengths.prompt_tokens, lengths.vision_tokens, frames)
     dtype = next(x.dtype for k, x in A.params.items() if k.startswith("visual.merger"))
-    buf = A.array((ch.buffer, cfg.model.vision.embed_width), dtype)
+    buf = A.buffer(ch, cfg.model.vision.embed_width, dtype)
     pb, emb = ph.compile(sp.vision_into, A.params, vin, buf, 0)
     n = chunk_count(cfg, ch, lengths)
     ph.add("rollout", "vision_into", pb, {"compute_weights", "emb"}, partial=abstract_shard_bytes(vin), sim="vision",

@@ -63,6 +63,7 @@ from rollplex_jax.models.qwen2_5_vl.model import (
     prefix_forward,
     suffix_forward,
 )
+from rollplex_jax.models.qwen2_5_vl.vision_chunks import constrain_buffer, read_chunk, write_chunk
 from rollplex_jax.parallel.mesh import constrain_like_params
 from rollplex_jax.programs.actor import Answers, Spec, objective
 
@@ -141,7 +142,7 @@ def _prefix_vjp(cfg, meta, params, kept, gk, gv, glast):
     it = iter(kept)
     leaves = [params[name] if name is not None else next(it) for name in names]
     cts = jax.tree_util.tree_unflatten(treedef, leaves)((gk, gv, glast))
-    return constrain_like_params(cts[0], cfg), (cts[1] if len(cts) > 1 else None)
+    return constrain_like_params(cts[0], cfg), (constrain_buffer(cts[1]) if len(cts) > 1 else None)
 
 
 def _one_hot(size: int, p0, rows: int, dtype) -> jax.Array:
@@ -225,7 +226,7 @@ def _grads_recompute(spec: Spec, params, inputs, vision_embeds, answers: Answers
     (_, metrics), grads = jax.value_and_grad(loss_fn, argnums=(0, 1) if chunked else 0, has_aux=True)(
         params, vision_embeds)
     grads, d_emb = grads if chunked else (grads, None)
-    return constrain_like_params(grads, spec.model), metrics, d_emb
+    return constrain_like_params(grads, spec.model), metrics, constrain_buffer(d_emb)
 
 
 def _vision_part(params) -> tuple[dict, dict]:
@@ -236,20 +237,26 @@ def _vision_part(params) -> tuple[dict, dict]:
 
 def _vision_grads(cfg: ModelConfig, prog: ProgramConfig, acc, params, vin, d_buffer, offset):
     """``acc`` (a params-shaped gradient, donated) plus the vision tower's gradient from one chunk
-    (``vision_chunks.VisionInputs``) and the cotangent of the embeddings buffer at its rows [offset, offset +
-    units): the tower's forward recomputed, then its vjp."""
+    (``vision_chunks.VisionInputs``) and the cotangent of the embeddings buffer at its slot ``offset``
+    (``vision_chunks.read_chunk``): the tower's forward recomputed, then its vjp."""
     vis, rest = _vision_part(params)
-    d = jax.lax.dynamic_slice_in_dim(d_buffer, offset, vin.layout["window_index"].size, axis=0)
+    d = read_chunk(d_buffer, offset, *vin.layout["window_index"].shape[::-1])
     _, vjp = jax.vjp(lambda v: encode_vision({**rest, **v}, cfg, vin, prog=prog), vis)
     g = vjp(d)[0]
     return constrain_like_params({k: acc[k] + g[k] if k in g else acc[k] for k in acc}, cfg)
 
 
 def _vision_into(cfg: ModelConfig, prog: ProgramConfig, params, vin, buffer, offset):
-    """The embeddings buffer (donated) with one chunk's embeddings under ``params`` written at its rows
-    [offset, offset + units)."""
+    """The embeddings buffer (donated) with one chunk's embeddings under ``params`` written from its slot
+    ``offset`` (``vision_chunks.write_chunk``: each batch shard's parts into its own rows)."""
     emb = encode_vision(params, cfg, vin, prog=prog)
-    return jax.lax.dynamic_update_slice_in_dim(buffer, emb.astype(buffer.dtype), offset, axis=0)
+    return write_chunk(buffer, emb, offset, vin.layout["window_index"].shape[0])
+
+
+def _new_buffer(shape: tuple[int, ...], dtype) -> jax.Array:
+    """A zero embeddings buffer [slots, groups x units, W], split over the batch shards from the start (a whole
+    one, made on one device, would hold it all there)."""
+    return constrain_buffer(jnp.zeros(shape, dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +271,7 @@ class SplitPrograms:
     grads_recompute: Callable  # (params, inputs, emb, answers: Answers) -> (grads, metrics, d_emb)
     vision_into: Callable  # (params, vin, buffer, offset) -> buffer (donated) with a vision chunk's embeddings
     vision_grads: Callable  # (acc, params, vin, d_buffer, offset) -> acc (donated) + a chunk's tower gradient
+    new_buffer: Callable  # (shape, dtype) -> a zero embeddings buffer, split as ``vision_into`` keeps it
 
 
 def make_split_programs(cfg: ModelConfig, rl: RlConfig, prog: ProgramConfig = ProgramConfig(), *,
@@ -285,4 +293,5 @@ def make_split_programs(cfg: ModelConfig, rl: RlConfig, prog: ProgramConfig = Pr
         grads_recompute=jit(functools.partial(_grads_recompute, spec)),
         vision_into=jit(functools.partial(_vision_into, cfg, prog), donate_argnums=2),
         vision_grads=jit(functools.partial(_vision_grads, cfg, prog), donate_argnums=0),
+        new_buffer=jax.jit(_new_buffer, static_argnums=(0, 1)),
     )

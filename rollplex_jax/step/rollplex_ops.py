@@ -35,7 +35,7 @@ from rollplex_jax.config import Config
 from rollplex_jax.config.shapes import step_shapes, vision_chunk_spec
 from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
 from rollplex_jax.models.qwen2_5_vl.packing import to_device
-from rollplex_jax.models.qwen2_5_vl.vision_chunks import Chunks, VisionInputs, plan_chunks
+from rollplex_jax.models.qwen2_5_vl.vision_chunks import Chunks, VisionInputs, plan_chunks, slot_count
 from rollplex_jax.programs.sequences import (
     answer_blocks,
     input_options,
@@ -123,7 +123,8 @@ class RollplexOps:
         opts = input_options(self.cfg)
         if self.chunks is not None:  # the rows' vision tokens' rows in the chunks' embeddings buffer
             slots = self.chunks.slots[vision_token_rows(self.cfg.model, self.rows, range(p0, p1))]
-            opts = dataclasses.replace(opts, vision_slots=np.pad(slots, (0, self.chunks.buffer - len(slots))))
+            size = slot_count(self.chunks.buffer, p1 - p0, r.input_ids.shape[1])
+            opts = dataclasses.replace(opts, vision_slots=np.pad(slots, (0, size - len(slots))))
         return prepare_inputs(self.cfg.model, r.input_ids, r.attention_mask, r.pixel_values, r.image_grid_thw,
                               r.video_grid_thw, r.second_per_grid_ts, opts)
 
@@ -169,7 +170,7 @@ class RollplexOps:
 
     def _encode(self, params):
         """The batch's vision embeddings buffer under ``params``: each chunk encoded, placed at its rows."""
-        buf = jnp.zeros((self.chunks.buffer, self.cfg.model.vision.embed_width), params[_PATCH_EMBED].dtype)
+        buf = self.sp.new_buffer((*self.chunks.shape, self.cfg.model.vision.embed_width), params[_PATCH_EMBED].dtype)
         for vin, off in zip(self.vins, self.chunks.offsets, strict=True):
             buf = self.sp.vision_into(params, vin, buf, off)
         return buf

@@ -59,7 +59,8 @@ def chunk_count(cfg: Config, ch: ChunkSpec, lengths: Lengths) -> int:
 
 
 def _chunk_sets(cfg: Config, ch: ChunkSpec | None, lengths: Lengths, pm: ProgramModel, tp: int) -> dict:
-    """Chunked vision's bytes on a device: the embeddings buffer (whole on every device), the chunks' inputs
+    """Chunked vision's bytes on a device: the embeddings buffer (split over the batch shards, ``ch.groups``:
+    ``vision_chunks.write_chunk``), the chunks' inputs
     (host-built, whole on the first device like the other inputs; one image of the lengths' most vision tokens
     per prefix row, packed as ``vision_chunks`` packs them: whole images to a full-attention row, rows to a part,
     ``ch.groups`` parts to a chunk), and over one part (a chunk's parts are split over the fsdp devices) the
@@ -78,10 +79,20 @@ def _chunk_sets(cfg: Config, ch: ChunkSpec | None, lengths: Lengths, pm: Program
     grads = (saved_activations(m, fwd, pm, tp, text_const=False) - no_cast
              + BWD_FACTOR * block_temp(m, n, pm, frame, tp)
              + one_layer_saved(m, 0, 0, 0, n, pm, tp) + backward_carry(m, 0, n, tp, pm.gpu))
-    return {"buffer": ch.buffer * v.embed_width * b,
+    return {"buffer": ch.buffer * v.embed_width * b / ch.groups,
             "inputs": n_chunks * ch.groups * (n * (v.patch_dim * F32 + 2 * 4) + ch.units * 8 + ch.windows * 4),
             "encode": block_temp(m, n, pm, frame, tp) + 2 * n * v.hidden_size * b,
             "grads": 0.0 if cfg.optim.freeze_vision else grads}
+
+
+def _slots_gather(cfg: Config, ch: ChunkSpec | None, prompt_rows: float, Tp: int) -> float:
+    """Bytes of a prefix program's gathered vision tokens of ``prompt_rows`` rows (all of the step's: the slots
+    are global), as many as ``vision_chunks.slot_count`` gives, twice on a mesh (the shards' gathers and their
+    sum)."""
+    if ch is None:
+        return 0.0
+    n = min(ch.buffer, prompt_rows * Tp)
+    return n * cfg.model.vision.embed_width * dtype_bytes(cfg.model) * (2 if ch.groups > 1 else 1)
 
 
 def _kv_row(m: ModelConfig, Tp: int, tp: int) -> float:
@@ -123,6 +134,9 @@ def _working_sets(cfg: Config, lengths: Lengths, mesh: PlanMesh, pm: ProgramMode
     prefix_fwd = (2 * Bt * Tp * x.hidden_size * b
                   + max(layer_temp(m, Bt, Tp, Tp, pm, tp), block_temp(m, nv, pm, Tv * v.spatial_merge_size**2, tp)
                         + 2 * nv * v.hidden_size * b))
+    # chunked vision: the prefix programs gather every prefix row's tokens out of the split buffer, whole on each
+    # device (``vision_chunks.gather_slots``: each shard's rows, then their sum over the shards: two copies)
+    prefix_fwd = max(prefix_fwd, _slots_gather(cfg, ch, rows.prefix_rows_total(cfg), Tp))
     r_s = rows.micro_batch_rows(cfg, mesh)  # answer rows per micro-batch per device
     # scoring: the fp32 logits and one fp32 temporary per logit (log-softmax fused; measured with aot on CPU), or
     # their 16-bit originals (GPU); the gradient: four fp32 and a 16-bit copy (CPU), two of each (GPU)

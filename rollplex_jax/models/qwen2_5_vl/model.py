@@ -54,6 +54,7 @@ from rollplex_jax.models.qwen2_5_vl.text import (
     final_norm,
     lm_logits,
 )
+from rollplex_jax.models.qwen2_5_vl.vision_chunks import gather_slots
 
 
 @jax.tree_util.register_dataclass
@@ -244,7 +245,7 @@ def _rows_forward(params: dict, cfg: ModelConfig, inputs: ModelInputs, vision_em
     if vision_embeds is None:
         vision_embeds = encode_vision(params, cfg, inputs, prog=prog)
     elif inputs.vision_slots is not None:  # a buffer of chunks' embeddings: the batch's tokens in batch order
-        vision_embeds = vision_embeds[inputs.vision_slots]
+        vision_embeds = gather_slots(vision_embeds, inputs.vision_slots)
     pk = inputs.packing
     src = inputs if pk is None else pk
     index = None if pk is None else pk.vision_index

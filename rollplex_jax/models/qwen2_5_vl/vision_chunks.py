@@ -16,11 +16,17 @@ own, a power of two above: a second shape, as rare as such items), and lays each
 takes it: the items' patches then zero patches, the window gathers padded to ``spec.windows``, and the
 full-attention rows with the frames told apart by segment ids (``frame_ids``: each frame attends to itself
 only). A chunk is ``spec.groups`` parts (one per batch shard: ``--train_dp x --train_fsdp``), stacked as
-``vision_forward``'s groups, which the mesh splits over its devices: every device encodes one part per call. Each
-chunk's merged tokens land in one buffer of ``spec.buffer`` rows at the chunk's offset (``Chunks.offsets``);
-``Chunks.slots`` is the buffer row of every vision token in batch order (images then videos, as ``text.embed``
-takes them), which the text programs gather (``ModelInputs.vision_slots``). Outputs equal the whole-batch
-encoding up to float summation order (tested).
+``vision_forward``'s groups, which the mesh splits over its devices: every device encodes one part per call.
+
+The buffer: [slots, groups x units, width] (``Chunks.shape``), its second axis split over the batch shards as the
+chunks' parts are, so a device holds 1 / groups of it and writes only its own parts' tokens (``write_chunk``: a
+chunk fills slot ``Chunks.offsets[c]``; an oversized part of k x units fills k slots). Without that split the
+buffer and its cotangent were whole on every device: 16.25 GiB each at Qwen3-VL-32B (DeepStack makes a row 4 x
+5120 wide), which put the GPU-compiled train phase at 110.78 GiB. ``Chunks.slots`` is the flat row of every vision
+token in batch order (images then videos, as ``text.embed`` takes them), which the text programs gather
+(``ModelInputs.vision_slots``, ``gather_slots``: each device gathers the tokens it holds, a sum over the batch
+shards adds the rest, exactly, as every other shard adds zeros). Outputs equal the whole-batch encoding up to float
+summation order (tested).
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rollplex_jax.config import VisionConfig
 from rollplex_jax.config.shapes import ChunkSpec, pow2, windows_for
 from rollplex_jax.models.qwen2_5_vl import rope
+from rollplex_jax.models.qwen2_5_vl.layers import constrain_rows
 
 
 @jax.tree_util.register_dataclass
@@ -48,13 +56,26 @@ class VisionInputs:
 
 @dataclasses.dataclass(frozen=True)
 class Chunks:
-    """A batch's vision chunks: their inputs (host arrays), each chunk's first row in the buffer, and the
-    buffer row of every vision token in batch order (``slots``, padded to the buffer's rows with 0)."""
+    """A batch's vision chunks: their inputs (host arrays), each chunk's first slot in the buffer, the flat
+    buffer row of every vision token in batch order (``slots``, padded to the buffer's rows with 0), the buffer's
+    rows and the rows of one of its slots (``row``: groups x units)."""
 
     inputs: list[dict]
     offsets: list[int]
     slots: np.ndarray
     buffer: int
+    row: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The buffer's [slots, groups x units] (times the embedding width)."""
+        return self.buffer // self.row, self.row
+
+
+def buffer_row(slot: int, part: int, u: np.ndarray, spec: ChunkSpec) -> np.ndarray:
+    """Flat buffer rows of tokens ``u`` of part ``part`` of the chunk at ``slot``: part j's unit u in slot
+    slot + u // units, row j x units + u % units (a regular chunk: slot x groups x units + j x units + u)."""
+    return ((slot + u // spec.units) * spec.groups + part) * spec.units + u % spec.units
 
 
 def _items(grids: np.ndarray, merge: int) -> list[tuple[int, int, int, int]]:
@@ -117,26 +138,69 @@ def plan_chunks(grids: np.ndarray, pixel_values: np.ndarray, spec: ChunkSpec, cf
     items = _items(grids, merge)
     n_tokens = items[-1][2] + items[-1][0] * items[-1][1] // merge if items else 0
     slots = np.zeros(n_tokens, np.int32)
-    inputs, offsets, base = [], [], 0
+    inputs, offsets, slot = [], [], 0
     for run in _runs(*_pack(items, spec, cfg), spec.groups):
         parts = []
         for j, ((units, windows, rows, frame), real) in enumerate(run):
             members = [i for r in rows for i in r]
             layout = rope.vision_layout(np.array([[1, items[i][0], items[i][1]] for i in members]), cfg)
             patches = [pixel_values[items[i][3]:items[i][3] + items[i][0] * items[i][1]] for i in members]
-            local = base + j * units
+            local = 0
             for i in members if real else ():
                 n = items[i][0] * items[i][1] // merge
-                slots[items[i][2]:items[i][2] + n] = local + np.arange(n)
+                slots[items[i][2]:items[i][2] + n] = buffer_row(slot, j, local + np.arange(n), spec)
                 local += n
             parts.append(_chunk_arrays(layout, np.concatenate(patches), (units, windows),
                                        [len(r) for r in rows], frame, cfg))
         inputs.append(_stack(parts))
-        offsets.append(base)
-        base += units * len(run)  # every part of a run has the same units
-    whole = spec.chunk_units
-    buffer = max(spec.buffer, -(-base // whole) * whole)
-    return Chunks(inputs, offsets, np.pad(slots, (0, buffer - n_tokens)), buffer)
+        offsets.append(slot)
+        slot += max(1, run[0][0][0] // spec.units)  # every part of a run has the same units
+    buffer = max(spec.buffer, slot * spec.chunk_units)
+    return Chunks(inputs, offsets, np.pad(slots, (0, buffer - n_tokens)), buffer, spec.chunk_units)
+
+
+def slot_count(buffer: int, rows: int, length: int) -> int:
+    """The length of the vision slots of ``rows`` prompt rows of ``length`` tokens (``ModelInputs.vision_slots``):
+    as many as they can hold, at most the buffer's rows. A fixed shape per (rows, length), so no new programs, and
+    a micro-batch's programs gather their own rows' tokens, not a whole buffer's worth (at Qwen3-VL-32B that copy
+    was 16.25 GiB)."""
+    return min(buffer, rows * length)
+
+
+def write_chunk(buffer: jax.Array, emb: jax.Array, slot, groups: int) -> jax.Array:
+    """``buffer`` [slots, groups x units, W] with a chunk's embeddings ``emb`` [groups x part units, W] (part j's
+    tokens in the j-th row block, as ``vision_forward`` gives them) written from ``slot``: each part's tokens into
+    the row block its batch shard holds (a part larger than a slot's row block spans several slots)."""
+    gu, w = buffer.shape[1:]
+    units, per = emb.shape[0] // groups, gu // groups
+    x = emb.reshape(groups, units, w)
+    if units < per:
+        x = jnp.pad(x, ((0, 0), (0, per - units), (0, 0)))
+    k = max(1, units // per)
+    x = constrain_buffer(x.reshape(groups, k, per, w).transpose(1, 0, 2, 3).reshape(k, gu, w))
+    return constrain_buffer(jax.lax.dynamic_update_slice_in_dim(buffer, x.astype(buffer.dtype), slot, axis=0))
+
+
+def read_chunk(buffer: jax.Array, slot, units: int, groups: int) -> jax.Array:
+    """The rows ``write_chunk`` wrote for a chunk of parts of ``units``: [groups x units, W]."""
+    gu, w = buffer.shape[1:]
+    per = gu // groups
+    k = max(1, units // per)
+    x = jax.lax.dynamic_slice_in_dim(buffer, slot, k, axis=0).reshape(k, groups, per, w).transpose(1, 0, 2, 3)
+    return x.reshape(groups, k * per, w)[:, :units].reshape(groups * units, w)
+
+
+def constrain_buffer(x: jax.Array | None) -> jax.Array | None:
+    """A buffer-shaped array [slots, groups x units, W] (the buffer, its cotangent) split as the buffer is; any
+    other (None, a frozen tower's [tokens, W] embeddings) unchanged."""
+    return constrain_rows(x, (1,)) if x is not None and x.ndim == 3 else x
+
+
+def gather_slots(buffer: jax.Array, slots: jax.Array) -> jax.Array:
+    """The embeddings of flat buffer rows ``slots`` [S]: [S, W] (on a mesh each device gathers the rows it holds
+    and the batch shards' results are summed)."""
+    gu = buffer.shape[1]
+    return buffer[slots // gu, slots % gu]
 
 
 def _stack(parts: list[dict]) -> dict:
