@@ -31,7 +31,7 @@ FUSED = ("qkv_proj.", "gate_up_proj.")
 def checkpoint_layout(params: Mapping, model) -> dict[str, np.ndarray]:
     """The actor's params (``model``: their ``ModelConfig``) as the checkpoint's tensors, host numpy: q, k, v and
     gate, up apart (``fused.to_hf``), so that ``ZERO_GRADIENT`` names the k bias alone."""
-    from rollplex_jax.models.qwen2_5_vl.fused import to_hf
+    from rollplex_jax.models.vl.fused import to_hf
 
     return to_hf({k: np.asarray(v) for k, v in params.items()}, model)
 

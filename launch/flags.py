@@ -16,7 +16,7 @@ from absl import app, flags
 
 from rollplex_jax import config as C
 from rollplex_jax.config import DTYPES, Config, ConfigError, DataConfig, ModelConfig, RunConfig
-from rollplex_jax.models.qwen2_5_vl.fused import param_layout
+from rollplex_jax.models.vl.fused import param_layout
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -95,7 +95,7 @@ def main(argv):
     from rollplex_jax.config import ConfigError
     from rollplex_jax.data.dataset import DataError
     from rollplex_jax.data.tokenizer import TokenizerError
-    from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import CheckpointError
+    from rollplex_jax.models.vl.hf_checkpoint import CheckpointError
     from rollplex_jax.run.runner import Runner
 
     try:

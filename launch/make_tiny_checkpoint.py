@@ -78,8 +78,8 @@ def write_model_dir(out, cfg: ModelConfig, *, seed: int = 0, std: float = 0.02, 
     import jax
 
     from rollplex_jax.data.tokenizer import HFTokenizer
-    from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import save_hf_checkpoint
-    from rollplex_jax.models.qwen2_5_vl.params import count_params, init_params
+    from rollplex_jax.models.vl.hf_checkpoint import save_hf_checkpoint
+    from rollplex_jax.models.vl.params import count_params, init_params
 
     out = os.fspath(out)
     if with_tokenizer:

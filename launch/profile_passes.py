@@ -70,7 +70,7 @@ def jax_passes(cfg, params, prompts, rollouts):
     import jax
     import jax.numpy as jnp
 
-    from rollplex_jax.models.qwen2_5_vl.model import InputOptions
+    from rollplex_jax.models.vl.model import InputOptions
     from rollplex_jax.programs.actor import Answers, make_programs
     from rollplex_jax.programs.sequences import micro_batches
     from rollplex_jax.rl import losses
@@ -118,8 +118,8 @@ def torch_model(cfg, params):
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from rollplex_jax.models.qwen2_5_vl.fused import to_hf
-    from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import normalize_name
+    from rollplex_jax.models.vl.fused import to_hf
+    from rollplex_jax.models.vl.hf_checkpoint import normalize_name
 
     hf_cfg = Qwen2_5_VLConfig(**cfg.model.to_hf_dict())
     hf_cfg._attn_implementation = "sdpa"
@@ -225,7 +225,7 @@ def main(argv):
     import jax
     import numpy as np
 
-    from rollplex_jax.models.qwen2_5_vl.params import init_params
+    from rollplex_jax.models.vl.params import init_params
     from rollplex_jax.programs.costs import ZERO, PhasePrograms, program_costs, serial_phase_costs
 
     cfg = launch_flags.config_from_flags(flags.FLAGS)

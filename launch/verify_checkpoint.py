@@ -23,10 +23,10 @@ def main(argv):
     import jax
     import numpy as np
 
-    from rollplex_jax.models.qwen2_5_vl import model as M
-    from rollplex_jax.models.qwen2_5_vl import verify
-    from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import CheckpointError, load_hf_checkpoint
-    from rollplex_jax.models.qwen2_5_vl.params import count_params
+    from rollplex_jax.models.vl import model as M
+    from rollplex_jax.models.vl import verify
+    from rollplex_jax.models.vl.hf_checkpoint import CheckpointError, load_hf_checkpoint
+    from rollplex_jax.models.vl.params import count_params
 
     try:
         cfg, params = load_hf_checkpoint(_HF_DIR.value, dtype=_DTYPE.value)

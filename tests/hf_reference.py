@@ -15,9 +15,9 @@ from transformers import (
 )
 
 from rollplex_jax.config import ModelConfig
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl import rope
-from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import normalize_name
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl import rope
+from rollplex_jax.models.vl.hf_checkpoint import normalize_name
 
 
 def hf_model(cfg: ModelConfig, seed: int = 0, attn: str = "eager"):
@@ -42,7 +42,7 @@ def hf_model(cfg: ModelConfig, seed: int = 0, attn: str = "eager"):
 def params_of(model, cfg: ModelConfig) -> dict:
     import jax.numpy as jnp
 
-    from rollplex_jax.models.qwen2_5_vl.fused import to_actor
+    from rollplex_jax.models.vl.fused import to_actor
 
     out = {}
     for name, t in model.state_dict().items():

@@ -100,8 +100,8 @@ def test_every_program_of_a_step_compiles_and_reports_bytes(schedule):
 def test_the_saved_prefix_state_holds_no_weights():
     """The actor prefix's vjp residuals without the parameters: every linear weight the backward reads is
     taken from the params passed to the prefix vjp, not copied into the saved state (issue 17)."""
-    from rollplex_jax.models.qwen2_5_vl import model as M
-    from rollplex_jax.models.qwen2_5_vl.params import param_shapes
+    from rollplex_jax.models.vl import model as M
+    from rollplex_jax.models.vl.params import param_shapes
     from rollplex_jax.programs.split import ResidualPrefix
     from tests.hf_reference import mm_inputs
 

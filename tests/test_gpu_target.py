@@ -15,7 +15,7 @@ from rollplex_jax.memory import aot, targets
 from rollplex_jax.memory.classes import PHASES
 from rollplex_jax.models import attention
 from rollplex_jax.models.platform import compiling_for, platform
-from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
+from rollplex_jax.models.vl.layers import compiler_options
 from tests.paths import REPO
 
 HAVE_PLUGIN = targets.plugin_version() is not None or os.path.isdir(targets.SIDE_DIR)

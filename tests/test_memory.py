@@ -22,7 +22,7 @@ from rollplex_jax.config import (
 )
 from rollplex_jax.memory import meter as meter_lib
 from rollplex_jax.memory.classes import CLASSES, PHASES
-from rollplex_jax.models.qwen2_5_vl.params import params_sha256
+from rollplex_jax.models.vl.params import params_sha256
 from rollplex_jax.parallel import memory_kinds
 from rollplex_jax.run.runner import Runner
 from rollplex_jax.step import ops as step_ops

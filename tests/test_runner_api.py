@@ -9,7 +9,7 @@ from absl import app, flags  # noqa: F401  (absl.app defines its own flags on fl
 from launch import flags as launch_flags  # noqa: F401  (imported before the snapshot of flags.FLAGS below)
 from launch.api import config_from_flagfile, runner_from_flagfile
 from rollplex_jax.config import ConfigError
-from rollplex_jax.models.qwen2_5_vl.params import params_sha256
+from rollplex_jax.models.vl.params import params_sha256
 from rollplex_jax.run.outputs import read_metrics
 from tests.paths import REPO
 from tests.reward_fns import length_parity

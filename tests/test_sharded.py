@@ -24,7 +24,7 @@ import pytest
 from launch.api import runner_from_flagfile
 from rollplex_jax.config import MeshConfig, ModelConfig
 from rollplex_jax.data.dataset import collate
-from rollplex_jax.models.qwen2_5_vl.fused import to_hf
+from rollplex_jax.models.vl.fused import to_hf
 from rollplex_jax.parallel import mesh as mesh_lib
 from rollplex_jax.programs.actor import Answers
 from rollplex_jax.programs.sequences import micro_batches
@@ -172,7 +172,7 @@ def test_startup_check_names_a_mis_sharded_parameter():
     cfg = ModelConfig.from_json_file("configs/models/demo.json")
     mesh = mesh_lib.train_mesh(MeshConfig(train_fsdp=2, train_tp=2))
     sh = mesh_lib.param_shardings(cfg, mesh)
-    from rollplex_jax.models.qwen2_5_vl.params import init_params
+    from rollplex_jax.models.vl.params import init_params
 
     params = mesh_lib.place(init_params(cfg, jax.random.key(0)), sh)
     mesh_lib.check_sharded(params, sh)
@@ -200,7 +200,7 @@ def test_rules_shard_megatron_style_and_replicate_what_does_not_divide():
 def test_rows_split_over_dp_and_fsdp():
     """On a dp 2 x fsdp 2 mesh the residual rows and the boundary KV rows are split over both batch axes (each
     device computes a quarter of the rows), heads over tp; with dp 1 the spec is fsdp's alone, as before."""
-    from rollplex_jax.models.qwen2_5_vl.layers import constrain_kv, constrain_rows, fsdp_size
+    from rollplex_jax.models.vl.layers import constrain_kv, constrain_rows, fsdp_size
 
     for dp, fsdp, tp, rows_spec in ((2, 2, 1, ("dp", "fsdp")), (1, 2, 2, "fsdp"), (2, 1, 2, "dp")):
         mesh = mesh_lib.train_mesh(MeshConfig(train_dp=dp, train_fsdp=fsdp, train_tp=tp))

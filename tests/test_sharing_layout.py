@@ -21,9 +21,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rollout_torch.weights import ShardedBinder
 from rollplex_jax.config import MeshConfig, ModelConfig, tiny_model_config
 from rollplex_jax.config.model import tiny_qwen3_vl_config
-from rollplex_jax.models.qwen2_5_vl.fused import param_layout, to_hf
-from rollplex_jax.models.qwen2_5_vl.names import normalize_name
-from rollplex_jax.models.qwen2_5_vl.params import init_params, param_specs
+from rollplex_jax.models.vl.fused import param_layout, to_hf
+from rollplex_jax.models.vl.names import normalize_name
+from rollplex_jax.models.vl.params import init_params, param_specs
 from rollplex_jax.parallel import mesh as M
 from rollplex_jax.weights import classify as S
 from rollplex_jax.weights import engine_layouts as EL
@@ -424,7 +424,7 @@ EIGHT = textwrap.dedent("""
     from rollout_torch.weights import ShardedBinder
     from rollplex_jax.weights import classify as S
     from rollplex_jax.config import MeshConfig
-    from rollplex_jax.models.qwen2_5_vl.params import init_params
+    from rollplex_jax.models.vl.params import init_params
     from tests.test_sharing_layout import _cfg, _laid, _place, check_binding
     cfg = _cfg(num_key_value_heads=4)
     base = cfg.__class__(**{**cfg.__dict__, "vision": cfg.vision.__class__(**{**cfg.vision.__dict__, "num_heads": 8,

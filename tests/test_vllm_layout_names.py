@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from rollplex_jax.models.qwen2_5_vl.fused import fused_tensors
-from rollplex_jax.models.qwen2_5_vl.names import transformers_name
-from rollplex_jax.models.qwen2_5_vl.params import checkpoint_specs, param_specs
+from rollplex_jax.models.vl.fused import fused_tensors
+from rollplex_jax.models.vl.names import transformers_name
+from rollplex_jax.models.vl.params import checkpoint_specs, param_specs
 from rollplex_jax.weights import classify as S
 from rollplex_jax.weights import engine_layouts as EL
 from tests.test_sharing_layout import FAMILIES, _big, _cfg, _laid

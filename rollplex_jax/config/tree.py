@@ -71,7 +71,7 @@ class DataConfig:
     # runner at load, at most max_prompt_len): a data set of one prompt length is never padded past it
     prompt_bucket_cap: int = 0
     # merge units each fsdp device encodes per vision chunk (fixed-shape vision micro-batches of the Rollplex
-    # prefix, models/qwen2_5_vl/vision_chunks.py; with shape buckets): 0 = resolved by the runner at load
+    # prefix, models/vl/vision_chunks.py; with shape buckets): 0 = resolved by the runner at load
     # (config/shapes.vision_chunk_sizes: the set's largest frame or a device's share of a mean batch, a power of
     # two); -1 = off (the tower inside each prefix program). vision_batch_units: rows of a batch's embeddings
     # buffer (0 = resolved at load from the set's most vision tokens in a row)
@@ -412,7 +412,7 @@ class ProgramConfig:
     ``remat``: per decoder layer and vision block, ``layer`` keeps only each layer's input for the
     backward, ``dots`` also its weight matmuls' outputs, ``none`` every intermediate.
     ``packing``: scoring and training run on the rows' real tokens packed into fewer rows of the same length
-    (segment ids; ``models/qwen2_5_vl/packing.py``) wherever that saves a row; ``False``: left-padded rows.
+    (segment ids; ``models/vl/packing.py``) wherever that saves a row; ``False``: left-padded rows.
     ``shape_buckets``: ``STEP:LINEAR_UNTIL:RATIO`` (``config/shapes.py``): prompt and answer lengths, vision
     patches and packed rows are padded up to a few bucketed sizes, so real data of every size compiles a handful
     of programs once; ``off``: exact shapes (a new compile for every new shape).

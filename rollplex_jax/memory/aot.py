@@ -46,11 +46,11 @@ from rollplex_jax.config import Config
 from rollplex_jax.config.shapes import planned_micro_batch
 from rollplex_jax.memory import targets
 from rollplex_jax.models.platform import compiling_for, platform
-from rollplex_jax.models.qwen2_5_vl import rope
-from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
-from rollplex_jax.models.qwen2_5_vl.model import ModelInputs
-from rollplex_jax.models.qwen2_5_vl.params import param_shapes
-from rollplex_jax.models.qwen2_5_vl.vision_chunks import slot_count
+from rollplex_jax.models.vl import rope
+from rollplex_jax.models.vl.layers import compiler_options
+from rollplex_jax.models.vl.model import ModelInputs
+from rollplex_jax.models.vl.params import param_shapes
+from rollplex_jax.models.vl.vision_chunks import slot_count
 from rollplex_jax.parallel import mesh as mesh_lib
 from rollplex_jax.programs import hlo_cost
 
@@ -180,7 +180,7 @@ class Abstract:
     def chunk(self, spec, prompt_tokens: int, vision_tokens: int, frames: int = 0):
         """One vision chunk of ``spec`` (``config.shapes.ChunkSpec``) as abstract ``vision_chunks.VisionInputs``:
         every chunk of a run has its shape (a row's image or video of ``vision_tokens`` fits a full-attention row)."""
-        from rollplex_jax.models.qwen2_5_vl.vision_chunks import VisionInputs, plan_chunks
+        from rollplex_jax.models.vl.vision_chunks import VisionInputs, plan_chunks
 
         _, grids, _ = host_rows(self.cfg, 1, prompt_tokens, vision_tokens, 0, frames)
         v = self.cfg.model.vision

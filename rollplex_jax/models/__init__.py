@@ -1,1 +1,2 @@
-"""Models in JAX, as functions of (params, config, inputs): today Qwen2.5-VL (``qwen2_5_vl/``)."""
+"""Models in JAX, as functions of (params, config, inputs): the shared vision-language code (``vl/``), each
+family's own vision tower (``qwen2_5_vl/``, ``qwen3_vl/``) and what differs between them (``family.py``)."""

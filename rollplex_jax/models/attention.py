@@ -8,7 +8,7 @@ boundary KV and causally to themselves). Each source describes its mask compactl
 - ``valid`` [B, S] or [B, N, S]: key validity (left or right padding, segment padding);
 - ``causal`` with a static ``q_offset``: key j is visible to query i iff j <= i + q_offset;
 - ``segments`` [B, (N,) S] with ``q_segments`` [B, N, T] (int): key j is visible to query i only if their
-  segment ids are equal (packed rows: several sequences in one row, ``qwen2_5_vl/packing.py``);
+  segment ids are equal (packed rows: several sequences in one row, ``vl/packing.py``);
 - k, v [B, S, K, d] (shared by the N axis: one prompt's KV serves its N answers, never copied N
   times) or [B, N, S, K, d]. GQA: H % K == 0, q is viewed as [.., K, G, d]; K/V are never repeated.
 

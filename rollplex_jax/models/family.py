@@ -2,7 +2,7 @@
 
 A family is a transformers ``model_type`` (``config.model.FAMILIES``: Qwen2.5-VL and Qwen3-VL). The rest of the
 project (schedules, programs, planner, AOT compile, weight sharing, engines) calls the shared model functions of
-``models/qwen2_5_vl/`` (``model.py``: inputs, full / prefix / suffix forwards; ``params.py``; ``hf_checkpoint.py``;
+``models/vl/`` (``model.py``: inputs, full / prefix / suffix forwards; ``params.py``; ``hf_checkpoint.py``;
 ``rope.py``; ``vision_chunks.py``), which ask this module where a family's code differs. Most differences are
 *data* in the config, which the shared code reads (``config/hf_config.py`` sets them from ``config.json``):
 

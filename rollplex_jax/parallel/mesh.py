@@ -3,7 +3,7 @@
 Training (actor and reference): a 3-D mesh ``(dp, fsdp, tp)`` over the first ``dp x fsdp x tp`` devices
 (``--train_dp``, default 1: HSDP, the weights sharded over ``fsdp x tp`` within each data-parallel group and
 replicated across the ``dp`` groups; no rule maps a parameter axis to ``dp``).
-Every parameter names its logical axes (``models/qwen2_5_vl/params.py``); ``TRAIN_RULES`` maps
+Every parameter names its logical axes (``models/vl/params.py``); ``TRAIN_RULES`` maps
 them onto mesh axes, Megatron-style for TP (column-parallel q/k/v, gate/up and vision qkv/mlp split
 their output rows, row-parallel o/down split their input columns, the vocabulary is split) and
 ZeRO-3-style for FSDP (the model dimension of every matrix is split over ``fsdp``):
@@ -21,7 +21,7 @@ ZeRO-3-style for FSDP (the model dimension of every matrix is split over ``fsdp`
 A dimension that a mesh axis does not divide is replicated over that axis instead (listed by
 ``sharding_table`` so a user sees it). Activations: the residual stream is constrained at each
 block boundary to rows split over ``dp x fsdp`` (``BATCH``: data parallel) and replicated over ``tp``
-(``models/qwen2_5_vl/layers.constrain_rows``), when a mesh is set (``jax.set_mesh``, which the
+(``models/vl/layers.constrain_rows``), when a mesh is set (``jax.set_mesh``, which the
 runner does around each step).
 The reference scores on the training mesh with the same rules. Gradients: the batch is split over dp and
 the parameters are replicated over it, so GSPMD sums each gradient over dp (an all-reduce) where the programs
@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from rollplex_jax.config import MeshConfig, ModelConfig
-from rollplex_jax.models.qwen2_5_vl.params import param_specs
+from rollplex_jax.models.vl.params import param_specs
 
 AXES = ("dp", "fsdp", "tp")
 BATCH = ("dp", "fsdp")  # the axes that split the batch (rows), outermost first

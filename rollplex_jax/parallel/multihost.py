@@ -195,7 +195,7 @@ class RolloutTPCopy:
 
     def __init__(self, model_cfg, mesh, rollout_tp: int):
         from rollplex_jax.config import MeshConfig
-        from rollplex_jax.models.qwen2_5_vl.fused import fused_tensors
+        from rollplex_jax.models.vl.fused import fused_tensors
         from rollplex_jax.parallel import mesh as mesh_lib
 
         devices = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
@@ -210,7 +210,7 @@ class RolloutTPCopy:
         self.copy_bytes = 0
 
     def _layout(self, params: dict) -> dict:
-        from rollplex_jax.models.qwen2_5_vl.fused import fuse_rows, unfuse_rows
+        from rollplex_jax.models.vl.fused import fuse_rows, unfuse_rows
 
         out = dict(params)
         for k, (parts, before, after) in self._regroup.items():

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from rollplex_jax.config import ModelConfig, OptimConfig, ProgramConfig, RlConfig
-from rollplex_jax.models.qwen2_5_vl.layers import compiler_options
-from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, full_forward, gather_logprobs
+from rollplex_jax.models.vl.layers import compiler_options
+from rollplex_jax.models.vl.model import ModelInputs, full_forward, gather_logprobs
 from rollplex_jax.programs.optimizer import ChunkedOptimizer
 from rollplex_jax.rl import losses
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from rollplex_contract.batch import Prompts, Rollouts, items_per_row
 from rollplex_jax.config import Config, ModelConfig
-from rollplex_jax.models.qwen2_5_vl.model import InputOptions, ModelInputs, prepare_inputs
+from rollplex_jax.models.vl.model import InputOptions, ModelInputs, prepare_inputs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ vjp would copy the weights. ``ResidualPrefix`` returns only the residuals that a
 | ``vision_into``             | the buffer      | a vision chunk encoded into the batch's embeddings buffer  |
 | ``vision_grads``            | the accumulator | adds a vision chunk's tower gradient (buffer's cotangent)  |
 
-With chunked vision (``models/qwen2_5_vl/vision_chunks.py``, the default under shape buckets) the tower runs
+With chunked vision (``models/vl/vision_chunks.py``, the default under shape buckets) the tower runs
 apart, in fixed-shape chunks, into one embeddings buffer: the prefix programs take the buffer (``emb``) and
 their inputs' ``vision_slots``; the actor's prefix vjp and ``grads_recompute`` also return the buffer's
 cotangent, which ``vision_grads`` takes through the tower chunk by chunk (its forward recomputed: one more
@@ -53,8 +53,8 @@ import jax
 import jax.numpy as jnp
 
 from rollplex_jax.config import ModelConfig, ProgramConfig, RlConfig
-from rollplex_jax.models.qwen2_5_vl.layers import compiler_options, fsdp_size
-from rollplex_jax.models.qwen2_5_vl.model import (
+from rollplex_jax.models.vl.layers import compiler_options, fsdp_size
+from rollplex_jax.models.vl.model import (
     ModelInputs,
     PrefixState,
     encode_vision,
@@ -63,7 +63,7 @@ from rollplex_jax.models.qwen2_5_vl.model import (
     prefix_forward,
     suffix_forward,
 )
-from rollplex_jax.models.qwen2_5_vl.vision_chunks import constrain_buffer, read_chunk, write_chunk
+from rollplex_jax.models.vl.vision_chunks import constrain_buffer, read_chunk, write_chunk
 from rollplex_jax.parallel.mesh import constrain_like_params
 from rollplex_jax.programs.actor import Answers, Spec, objective
 

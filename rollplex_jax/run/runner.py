@@ -31,8 +31,8 @@ from rollplex_jax.config import Config, ConfigError
 from rollplex_jax.data import dataset as data_lib
 from rollplex_jax.memory import policy as memory_policy
 from rollplex_jax.memory.meter import MemoryMeter
-from rollplex_jax.models.qwen2_5_vl.fused import layout_record
-from rollplex_jax.models.qwen2_5_vl.params import params_sha256
+from rollplex_jax.models.vl.fused import layout_record
+from rollplex_jax.models.vl.params import params_sha256
 from rollplex_jax.parallel import mesh as mesh_lib
 from rollplex_jax.parallel import multihost
 from rollplex_jax.programs.actor import make_programs
@@ -157,7 +157,7 @@ class Runner:
             layout_record(self.cfg.model)
         if saved != layout:  # same shapes, other row order: restoring would silently scramble the weights
             raise ConfigError(f"checkpoint {step} in {self.checkpointer.directory} holds the actor's parameters in "
-                              f"layout {saved} (models/qwen2_5_vl/fused.py), this run's flags give {layout} "
+                              f"layout {saved} (models/vl/fused.py), this run's flags give {layout} "
                               "(from --train_tp, --rollout_tp, --engine): resume with the flags it was saved with")
         tree, meta = self.checkpointer.restore(step, _state_tree(self.state))
         self.state = rl_step.TrainState(tree["params"], self.programs.optimizer.place(tree["opt_state"]),

@@ -24,8 +24,8 @@ from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer
 from rollplex_jax.memory import planner
 from rollplex_jax.memory.meter import MemoryMeter
 from rollplex_jax.models.family import family_of
-from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl.hf_checkpoint import load_hf_checkpoint
+from rollplex_jax.models.vl.params import init_params
 from rollplex_jax.parallel import distributed, multihost, threads
 from rollplex_jax.parallel import mesh as mesh_lib
 from rollplex_jax.run.checkpoint import committed_steps

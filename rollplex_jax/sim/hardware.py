@@ -268,8 +268,8 @@ def _demo_inputs(rng, rows: int, side: int):
     import jax
     import numpy as np
 
-    from rollplex_jax.models.qwen2_5_vl.model import prepare_inputs
-    from rollplex_jax.models.qwen2_5_vl.params import init_params
+    from rollplex_jax.models.vl.model import prepare_inputs
+    from rollplex_jax.models.vl.params import init_params
 
     mcfg, ids, per_row, grids = _demo_rows(rng, rows, side)
     inputs = prepare_inputs(mcfg, ids, np.ones_like(ids), np.concatenate(per_row), grids)
@@ -282,7 +282,7 @@ def _program_probe(mcfg, params, inputs, matmul_flops: float) -> list[float]:
     FLOPs at ``matmul_flops``; the backward = gradient program - forward."""
     import jax
 
-    from rollplex_jax.models.qwen2_5_vl.model import full_forward
+    from rollplex_jax.models.vl.model import full_forward
 
     def loss(p, i):
         return full_forward(p, mcfg, i).sum()
@@ -304,7 +304,7 @@ def _host_prep_probe(rng) -> float:
     at a reference size: 32 rows of 85 tokens, one 16 x 16-patch image each (demo model)."""
     import numpy as np
 
-    from rollplex_jax.models.qwen2_5_vl.model import prepare_inputs
+    from rollplex_jax.models.vl.model import prepare_inputs
 
     mcfg, ids, per_row, grids = _demo_rows(rng, 32)
 
@@ -325,7 +325,7 @@ def _long_xla_work(mcfg, params, inputs):
     its result unwaited: the prefix programs run like this beside the decode (dispatched once, no Python)."""
     import jax
 
-    from rollplex_jax.models.qwen2_5_vl.model import full_forward
+    from rollplex_jax.models.vl.model import full_forward
 
     f = jax.jit(lambda p, i: full_forward(p, mcfg, i).sum())
     one = _min_time(lambda: f(params, inputs).block_until_ready(), 2)

@@ -28,7 +28,7 @@ import numpy as np
 from rollplex_contract.batch import Engine, Prompts, Rollouts, SamplingParams
 from rollplex_jax.config import Config
 from rollplex_jax.config.shapes import step_shapes
-from rollplex_jax.models.qwen2_5_vl.packing import to_device
+from rollplex_jax.models.vl.packing import to_device
 from rollplex_jax.parallel.multihost import Processes, first_rows, gather_rollouts, gather_scores
 from rollplex_jax.programs.actor import Programs
 from rollplex_jax.programs.sequences import mini_batch_rows, pad_answers, select_rows

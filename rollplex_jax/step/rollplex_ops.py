@@ -10,7 +10,7 @@ answers each (G, or 1). What runs when:
   rows' actor boundary KV (for old log-probs) comes from the plain prefix program. Boundary states carry
   the params version they were computed under (``Boundary``): a consumer at another version raises
   ``StaleBoundaryError``.
-- Chunked vision (shape buckets, ``models/qwen2_5_vl/vision_chunks.py``): the tower runs apart, chunk by chunk, into
+- Chunked vision (shape buckets, ``models/vl/vision_chunks.py``): the tower runs apart, chunk by chunk, into
   one embeddings buffer per params (``_encode``: actor; reference unless ``--freeze_vision``); the prefix programs
   take the buffer, and the buffer's cotangent goes back through the tower chunk by chunk (``_vision_grads``).
 - scoring (``ref_logp``, ``logp``): the suffix over each micro-batch of answers (``answer_blocks``).
@@ -33,9 +33,9 @@ import numpy as np
 from rollplex_contract.batch import Prompts, Rollouts
 from rollplex_jax.config import Config
 from rollplex_jax.config.shapes import step_shapes, vision_chunk_spec
-from rollplex_jax.models.qwen2_5_vl.model import ModelInputs, prepare_inputs
-from rollplex_jax.models.qwen2_5_vl.packing import to_device
-from rollplex_jax.models.qwen2_5_vl.vision_chunks import Chunks, VisionInputs, plan_chunks, slot_count
+from rollplex_jax.models.vl.model import ModelInputs, prepare_inputs
+from rollplex_jax.models.vl.packing import to_device
+from rollplex_jax.models.vl.vision_chunks import Chunks, VisionInputs, plan_chunks, slot_count
 from rollplex_jax.programs.sequences import (
     answer_blocks,
     input_options,

@@ -38,7 +38,7 @@ from rollplex_contract.layout import (
     intersection,
 )
 from rollplex_jax.config import MeshConfig, ModelConfig
-from rollplex_jax.models.qwen2_5_vl.params import param_specs
+from rollplex_jax.models.vl.params import param_specs
 from rollplex_jax.weights import engine_layouts
 from rollplex_jax.weights.engine_layouts import EngineTensor, layout_for
 

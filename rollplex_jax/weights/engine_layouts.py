@@ -20,9 +20,9 @@ import dataclasses
 import functools
 
 from rollplex_jax.config import ModelConfig
-from rollplex_jax.models.qwen2_5_vl.fused import FusedTensor, fused_tensors, vocab_tensors
-from rollplex_jax.models.qwen2_5_vl.names import transformers_name
-from rollplex_jax.models.qwen2_5_vl.params import checkpoint_specs
+from rollplex_jax.models.vl.fused import FusedTensor, fused_tensors, vocab_tensors
+from rollplex_jax.models.vl.names import transformers_name
+from rollplex_jax.models.vl.params import checkpoint_specs
 
 
 @dataclasses.dataclass(frozen=True)

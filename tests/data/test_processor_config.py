@@ -13,7 +13,7 @@ from transformers import Qwen2VLImageProcessorPil
 from rollplex_jax.config import ConfigError, tiny_model_config
 from rollplex_jax.config.model import tiny_qwen3_vl_config
 from rollplex_jax.data.image_processing import preprocess_images
-from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import read_config
+from rollplex_jax.models.vl.hf_checkpoint import read_config
 
 MEAN, STD = [0.4, 0.45, 0.5], [0.2, 0.25, 0.3]
 

@@ -9,8 +9,8 @@ import pytest
 
 from launch.equivalence import checkpoint_layout, update_distance
 from rollplex_jax.config import ModelConfig
-from rollplex_jax.models.qwen2_5_vl.fused import fused_tensors, unfuse_rows
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl.fused import fused_tensors, unfuse_rows
+from rollplex_jax.models.vl.params import init_params
 from tests.equivalence import assert_same_gradients, assert_same_updates
 from tests.paths import REPO
 

@@ -18,8 +18,8 @@ from launch import flags as launch_flags
 from rollplex_jax.config import Config, ModelConfig, ProgramConfig, parse_bytes, tiny_model_config
 from rollplex_jax.memory import planner
 from rollplex_jax.memory.classes import CLASSES, PHASES
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl.params import count_params, init_params, param_shapes
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl.params import count_params, init_params, param_shapes
 from rollplex_jax.programs.split import ResidualPrefix
 from tests.hf_reference import mm_inputs
 from tests.paths import REPO

@@ -21,10 +21,10 @@ import pytest
 from rollplex_jax.config import ProgramConfig, tiny_model_config
 from rollplex_jax.models import attention as A
 from rollplex_jax.models import blockwise as B
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl import rope
-from rollplex_jax.models.qwen2_5_vl.params import init_params
 from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl import rope
+from rollplex_jax.models.vl.params import init_params
 from tests.hf_reference import mm_inputs
 
 TOL = 1e-5

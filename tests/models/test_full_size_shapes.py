@@ -10,8 +10,8 @@ import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from rollplex_jax.config import ModelConfig
-from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import normalize_name
-from rollplex_jax.models.qwen2_5_vl.params import checkpoint_specs, count_params, init_params, param_shapes
+from rollplex_jax.models.vl.hf_checkpoint import normalize_name
+from rollplex_jax.models.vl.params import checkpoint_specs, count_params, init_params, param_shapes
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models")
 

@@ -14,15 +14,15 @@ from safetensors.torch import save_file as torch_save_file
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from rollplex_jax.config import tiny_model_config
-from rollplex_jax.models.qwen2_5_vl.fused import to_hf
-from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import (
+from rollplex_jax.models.vl.fused import to_hf
+from rollplex_jax.models.vl.hf_checkpoint import (
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointError,
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
-from rollplex_jax.models.qwen2_5_vl.params import param_specs
+from rollplex_jax.models.vl.params import param_specs
 
 SHARD = "20KB"  # the tiny model is ~760 KB in f32: forces many shards
 

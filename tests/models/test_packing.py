@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from rollplex_jax.config import MeshConfig, ProgramConfig, tiny_model_config
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl import packing as P
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl import packing as P
+from rollplex_jax.models.vl.params import init_params
 from rollplex_jax.parallel import mesh as mesh_lib
 from tests.hf_reference import mm_inputs
 

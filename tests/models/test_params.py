@@ -6,8 +6,8 @@ import jax
 import numpy as np
 
 from rollplex_jax.config import tiny_model_config
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl.params import init_params, logical_axes, param_specs, params_sha256
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl.params import init_params, logical_axes, param_specs, params_sha256
 from tests.hf_reference import mm_inputs
 
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from rollplex_jax.config import ProgramConfig, tiny_model_config
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl import rope
 from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl import rope
 from tests.hf_reference import assert_forward_parity, assert_rope_index_parity, mm_inputs, vision_tower_case
 
 TOL = 1e-4

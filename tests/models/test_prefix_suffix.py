@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from rollplex_jax.config import ProgramConfig, tiny_model_config
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl.params import init_params
 from tests.hf_reference import mm_inputs
 
 TOL = 1e-5

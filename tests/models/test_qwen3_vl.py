@@ -23,11 +23,11 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from rollplex_jax.config import ModelConfig, ProgramConfig
 from rollplex_jax.config.model import ConfigError, tiny_qwen3_vl_config
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl import rope
-from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
-from rollplex_jax.models.qwen2_5_vl.params import checkpoint_specs, init_params
 from rollplex_jax.models.qwen3_vl.vision import vision_forward
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl import rope
+from rollplex_jax.models.vl.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from rollplex_jax.models.vl.params import checkpoint_specs, init_params
 from tests.hf_reference import assert_forward_parity, assert_rope_index_parity, hf_model, mm_inputs, vision_tower_case
 from tests.paths import REPO
 
@@ -146,7 +146,7 @@ def test_real_size_specs_equal_transformers(size):
     cfg = ModelConfig.from_json_file(path)
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**json.loads(path.read_text())))
-    from rollplex_jax.models.qwen2_5_vl.names import normalize_name
+    from rollplex_jax.models.vl.names import normalize_name
 
     theirs = {normalize_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:

@@ -17,8 +17,8 @@ import torch
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.data.video_io import load_video, probe_video, video_spec
 from rollplex_jax.data.video_sampling import VideoRule
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl import rope
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl import rope
 from tests.hf_reference import hf_forward, hf_model, mm_inputs, params_of
 from tests.video_files import write_video
 

@@ -1,4 +1,4 @@
-"""Vision chunks (``models/qwen2_5_vl/vision_chunks.py``): a batch's frames encoded in fixed-shape chunks, then
+"""Vision chunks (``models/vl/vision_chunks.py``): a batch's frames encoded in fixed-shape chunks, then
 gathered back into batch order, equal the whole batch encoded at once (fp32, 1e-5 of the largest entry: the
 same per-frame computation, other attention blocks and summation order), and padding contributes nothing."""
 
@@ -11,10 +11,10 @@ import pytest
 
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.config.shapes import ChunkSpec
-from rollplex_jax.models.qwen2_5_vl import rope
-from rollplex_jax.models.qwen2_5_vl.params import init_params
 from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
-from rollplex_jax.models.qwen2_5_vl.vision_chunks import (
+from rollplex_jax.models.vl import rope
+from rollplex_jax.models.vl.params import init_params
+from rollplex_jax.models.vl.vision_chunks import (
     constrain_buffer,
     gather_slots,
     plan_chunks,
@@ -85,7 +85,7 @@ def test_buffer_is_split_over_the_batch_shards():
     buffer; a replicated cotangent alone would be the whole 98.3)."""
 
     from rollplex_jax.config import MeshConfig, RlConfig
-    from rollplex_jax.models.qwen2_5_vl.vision_chunks import VisionInputs
+    from rollplex_jax.models.vl.vision_chunks import VisionInputs
     from rollplex_jax.parallel import mesh as mesh_lib
     from rollplex_jax.programs.split import make_split_programs
 

@@ -20,9 +20,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rollplex_jax.config import MeshConfig, tiny_model_config
-from rollplex_jax.models.qwen2_5_vl import rope
-from rollplex_jax.models.qwen2_5_vl.params import init_params
 from rollplex_jax.models.qwen2_5_vl.vision import vision_forward
+from rollplex_jax.models.vl import rope
+from rollplex_jax.models.vl.params import init_params
 from rollplex_jax.parallel import mesh as mesh_lib
 
 CFG = tiny_model_config()  # spatial merge 2, windows of 2 x 2 merge units, full attention at block 1

@@ -8,7 +8,7 @@ import pytest
 
 from rollplex_jax.config import OptimConfig, tiny_model_config
 from rollplex_jax.memory import meter as meter_lib
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl.params import init_params
 from rollplex_jax.parallel import memory_kinds
 from rollplex_jax.programs.optimizer import ChunkedOptimizer, chunk_names
 

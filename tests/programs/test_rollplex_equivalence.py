@@ -35,7 +35,7 @@ from rollplex_jax.config import (
 from rollplex_jax.data.dataset import collate
 from rollplex_jax.data.video_io import load_video, probe_video, video_spec
 from rollplex_jax.data.video_sampling import VideoRule
-from rollplex_jax.models.qwen2_5_vl import model as M
+from rollplex_jax.models.vl import model as M
 from rollplex_jax.programs.actor import Answers
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.rl import losses

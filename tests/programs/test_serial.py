@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rollplex_jax.config import Config, DataConfig, ModelConfig, OptimConfig, RlConfig, RolloutConfig, RunConfig
-from rollplex_jax.models.qwen2_5_vl.params import init_params, params_sha256
+from rollplex_jax.models.vl.params import init_params, params_sha256
 from rollplex_jax.programs.actor import Answers, make_programs
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.rl import losses

@@ -20,9 +20,9 @@ import pytest
 
 from rollplex_jax.config import ConfigError, ProgramConfig, RlConfig, tiny_model_config
 from rollplex_jax.config.shapes import Buckets, StepShapes, parse_buckets, pow2
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl import packing as P
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl import packing as P
+from rollplex_jax.models.vl.params import init_params
 from tests.equivalence import assert_same_updates
 from tests.hf_reference import mm_inputs
 from tests.programs.test_rollplex_equivalence import LR, TOL, _config, _mixed_prompts, _steps, _video_prompts

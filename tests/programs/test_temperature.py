@@ -20,7 +20,7 @@ import pytest
 
 from rollplex_contract.batch import Prompts, SamplingParams
 from rollplex_jax.config import ConfigError, OptimConfig, RlConfig, RolloutConfig
-from rollplex_jax.models.qwen2_5_vl import model as M
+from rollplex_jax.models.vl import model as M
 from rollplex_jax.programs.actor import Answers, Spec, make_programs
 from rollplex_jax.programs.sequences import micro_batches
 from rollplex_jax.programs.split import BoundaryRows, make_split_programs

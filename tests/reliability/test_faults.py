@@ -23,8 +23,8 @@ from PIL import Image
 from rollplex_contract.batch import Rollouts
 from rollplex_jax.config import Config, DataConfig, ModelConfig, OptimConfig, RlConfig, RolloutConfig, RunConfig
 from rollplex_jax.data.tokenizer import HFTokenizer, TinyTokenizer, TokenizerError
-from rollplex_jax.models.qwen2_5_vl.hf_checkpoint import CheckpointError, save_hf_checkpoint
-from rollplex_jax.models.qwen2_5_vl.params import init_params, params_sha256
+from rollplex_jax.models.vl.hf_checkpoint import CheckpointError, save_hf_checkpoint
+from rollplex_jax.models.vl.params import init_params, params_sha256
 from rollplex_jax.rl import advantages as adv_lib
 from rollplex_jax.rl.rewards import exact_match
 from rollplex_jax.run.runner import Runner

@@ -26,7 +26,7 @@ from rollplex_jax.config import (
     RolloutConfig,
     RunConfig,
 )
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl.params import init_params
 from rollplex_jax.run.checkpoint import Checkpointer
 from rollplex_jax.run.runner import Runner
 from tests.paths import REPO

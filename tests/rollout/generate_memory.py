@@ -23,7 +23,7 @@ import numpy as np
 from rollout_torch.hf_engine import HFEngine
 from rollplex_contract.batch import Prompts, SamplingParams
 from rollplex_jax.config import tiny_model_config
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl.params import init_params
 from rollplex_jax.weights.sharing import WeightPublisher
 from tests.hf_reference import mm_inputs
 from tests.rollout.test_hf_engine import ROWS

@@ -19,10 +19,10 @@ from rollplex_contract.batch import Prompts, SamplingParams
 from rollplex_contract.layout import ALIGNED, REBUILT, VIEW
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.config.model import tiny_qwen3_vl_config
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl.fused import to_hf
-from rollplex_jax.models.qwen2_5_vl.names import normalize_name
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl.fused import to_hf
+from rollplex_jax.models.vl.names import normalize_name
+from rollplex_jax.models.vl.params import init_params
 from rollplex_jax.weights.sharing import WeightPublisher, donated
 from tests.hf_reference import mm_inputs
 

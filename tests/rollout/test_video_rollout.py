@@ -21,8 +21,8 @@ from rollplex_contract.batch import Prompts, SamplingParams
 from rollplex_jax.config import tiny_model_config
 from rollplex_jax.data.video_io import load_video, probe_video, video_spec
 from rollplex_jax.data.video_sampling import VideoRule
-from rollplex_jax.models.qwen2_5_vl import model as M
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl import model as M
+from rollplex_jax.models.vl.params import init_params
 from rollplex_jax.weights.sharing import WeightPublisher
 from tests.hf_reference import mm_inputs
 from tests.video_files import write_frames, write_video

@@ -14,9 +14,9 @@ import pytest
 from rollout_torch.hf_engine import HFEngine
 from rollout_torch.weights import ShardedBinder
 from rollplex_jax.config import MeshConfig, tiny_model_config
-from rollplex_jax.models.qwen2_5_vl.fused import to_hf
-from rollplex_jax.models.qwen2_5_vl.names import normalize_name
-from rollplex_jax.models.qwen2_5_vl.params import init_params
+from rollplex_jax.models.vl.fused import to_hf
+from rollplex_jax.models.vl.names import normalize_name
+from rollplex_jax.models.vl.params import init_params
 from rollplex_jax.parallel import mesh as M
 from rollplex_jax.trace import Tracer
 from rollplex_jax.weights.sharing import WeightPublisher

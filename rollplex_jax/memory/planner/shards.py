@@ -55,7 +55,7 @@ class Gathered:
 
 def _shards(model: ModelConfig, fsdp: int, tp: int) -> dict[str, int]:
     """Elements per device of every parameter (``partition_spec``: an undivided dimension stays whole)."""
-    from rollplex_jax.models.qwen2_5_vl.params import param_specs  # here: no jax at import
+    from rollplex_jax.models.vl.params import param_specs  # here: no jax at import
     from rollplex_jax.parallel.mesh import spec_for_sizes
 
     degree = {"fsdp": fsdp, "tp": tp}

@@ -181,7 +181,7 @@ class Lengths:
     def bucketed(self, cfg: Config) -> Lengths:
         """The lengths the run's programs hold under ``--shape_buckets`` (``config/shapes.py``): the prompt
         rounded up to its bucket (at most ``max_prompt_len``), the vision tokens to a power of two (the model
-        pads a batch's merge units to one, ``models/qwen2_5_vl/model._vision``), at most what the prompt holds
+        pads a batch's merge units to one, ``models/vl/model._vision``), at most what the prompt holds
         beside its two vision markers (a 1280-token image in a 2048-token prompt: 2046, not 2048), and with
         ``--packing`` the prompts a padded prefix row holds (``packing.pack_layout(stable=True)`` packs the
         prompts of a group into power-of-two rows); unchanged with buckets off."""
@@ -208,7 +208,7 @@ class ParamCounts:
 @functools.lru_cache(maxsize=32)
 def model_param_counts(model: ModelConfig, freeze_vision: bool) -> ParamCounts:
     """Parameter counts of ``model`` (cached: the shapes of a 32B model take a moment to enumerate)."""
-    from rollplex_jax.models.qwen2_5_vl.params import count_params, param_shapes  # here: no jax at import
+    from rollplex_jax.models.vl.params import count_params, param_shapes  # here: no jax at import
 
     shapes = param_shapes(model)
     vision = {k: s for k, s in shapes.items() if k.startswith("visual.")}

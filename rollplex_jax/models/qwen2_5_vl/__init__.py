@@ -1,1 +1,2 @@
-"""Qwen2.5-VL in JAX: parameters in HF layout, vision tower, M-RoPE decoder, prefix/suffix split."""
+"""Qwen2.5-VL: what is its own, the vision tower (windowed attention, gated MLP, RMSNorm blocks); the rest is the
+shared vision-language code in ``models/vl/``, as for ``models/qwen3_vl/``."""

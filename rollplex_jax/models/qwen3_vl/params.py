@@ -1,5 +1,5 @@
 """Qwen3-VL's vision tower parameters (checkpoint names and logical axes; the decoder's are the shared
-``qwen2_5_vl/params._text_specs`` with q/k norms and no q/k/v biases, per ``TextConfig``)."""
+``vl/params._text_specs`` with q/k norms and no q/k/v biases, per ``TextConfig``)."""
 
 from __future__ import annotations
 

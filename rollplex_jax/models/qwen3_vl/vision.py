@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from rollplex_jax.config import ProgramConfig, VisionConfig
-from rollplex_jax.models.qwen2_5_vl.layers import constrain_rows, layer_norm, layer_params, linear, rematerialise
-from rollplex_jax.models.qwen2_5_vl.rope import vision_cos_sin
-from rollplex_jax.models.qwen2_5_vl.vision import _ACTS, frame_segments, segment_attention, take_groups
 from rollplex_jax.models.qwen3_vl.params import vision_specs  # noqa: F401  (the family's, models/family.py)
+from rollplex_jax.models.vl.layers import constrain_rows, layer_norm, layer_params, linear, rematerialise
+from rollplex_jax.models.vl.rope import vision_cos_sin
+from rollplex_jax.models.vl.vision_ops import ACTIVATIONS, frame_segments, segment_attention, take_groups
 
 _EPS = 1e-6
 
@@ -37,7 +37,7 @@ def _block(cfg: VisionConfig, prog: ProgramConfig, i: int, p: dict, x, cos, sin,
     h = layer_norm(x, p[pre + "norm1.weight"], p[pre + "norm1.bias"], _EPS)
     x = x + segment_attention(p, pre + "attn.", h, cos, sin, seg, cfg, prog)
     h = layer_norm(x, p[pre + "norm2.weight"], p[pre + "norm2.bias"], _EPS)
-    h = _ACTS[cfg.hidden_act](linear(h, p[pre + "mlp.linear_fc1.weight"], p[pre + "mlp.linear_fc1.bias"]))
+    h = ACTIVATIONS[cfg.hidden_act](linear(h, p[pre + "mlp.linear_fc1.weight"], p[pre + "mlp.linear_fc1.bias"]))
     return x + linear(h, p[pre + "mlp.linear_fc2.weight"], p[pre + "mlp.linear_fc2.bias"])
 
 

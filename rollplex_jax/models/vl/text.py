@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from rollplex_jax.config import ModelConfig, ProgramConfig, TextConfig
 from rollplex_jax.models.attention import KVSource, attention
-from rollplex_jax.models.qwen2_5_vl.fused import split_last
-from rollplex_jax.models.qwen2_5_vl.layers import apply_rope, constrain_rows, linear, rms_norm
+from rollplex_jax.models.vl.fused import split_last
+from rollplex_jax.models.vl.layers import apply_rope, constrain_rows, linear, rms_norm
 
 
 def qkv_projection(p: dict, layer: int, x: jax.Array, cos, sin, cfg: TextConfig):

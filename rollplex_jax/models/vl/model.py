@@ -43,10 +43,10 @@ from rollplex_jax.config import ModelConfig, ProgramConfig
 from rollplex_jax.config.shapes import Buckets, pow2
 from rollplex_jax.models.attention import KVSource
 from rollplex_jax.models.family import family_of
-from rollplex_jax.models.qwen2_5_vl import packing as P
-from rollplex_jax.models.qwen2_5_vl import rope
-from rollplex_jax.models.qwen2_5_vl.layers import constrain_kv, layer_params, rematerialise
-from rollplex_jax.models.qwen2_5_vl.text import (
+from rollplex_jax.models.vl import packing as P
+from rollplex_jax.models.vl import rope
+from rollplex_jax.models.vl.layers import constrain_kv, layer_params, rematerialise
+from rollplex_jax.models.vl.text import (
     LayerInputs,
     decoder_layer,
     embed,
@@ -54,7 +54,7 @@ from rollplex_jax.models.qwen2_5_vl.text import (
     final_norm,
     lm_logits,
 )
-from rollplex_jax.models.qwen2_5_vl.vision_chunks import gather_slots
+from rollplex_jax.models.vl.vision_chunks import gather_slots
 
 
 @jax.tree_util.register_dataclass

@@ -39,8 +39,8 @@ import numpy as np
 
 from rollplex_jax.config import VisionConfig
 from rollplex_jax.config.shapes import ChunkSpec, pow2, windows_for
-from rollplex_jax.models.qwen2_5_vl import rope
-from rollplex_jax.models.qwen2_5_vl.layers import constrain_rows
+from rollplex_jax.models.vl import rope
+from rollplex_jax.models.vl.layers import constrain_rows
 
 
 @jax.tree_util.register_dataclass

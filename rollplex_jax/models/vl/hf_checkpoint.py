@@ -35,12 +35,12 @@ from safetensors.numpy import save_file
 
 from rollplex_jax.config import ModelConfig
 from rollplex_jax.models.family import family_of
-from rollplex_jax.models.qwen2_5_vl.fused import to_actor, to_hf
-from rollplex_jax.models.qwen2_5_vl.names import (
+from rollplex_jax.models.vl.fused import to_actor, to_hf
+from rollplex_jax.models.vl.names import (
     normalize_name,  # noqa: F401  (re-exported)
     transformers_name,
 )
-from rollplex_jax.models.qwen2_5_vl.params import Params, checkpoint_specs, param_specs
+from rollplex_jax.models.vl.params import Params, checkpoint_specs, param_specs
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

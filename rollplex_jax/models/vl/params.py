@@ -23,7 +23,7 @@ import numpy as np
 
 from rollplex_jax.config import ModelConfig
 from rollplex_jax.models.family import family_of
-from rollplex_jax.models.qwen2_5_vl.fused import fused_tensors, to_actor, vocab_tensors
+from rollplex_jax.models.vl.fused import fused_tensors, to_actor, vocab_tensors
 
 Params = dict[str, jax.Array]
 
