@@ -33,7 +33,7 @@ from typing import TypedDict
 
 _SMART_RESIZE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _PIL_PROCESSOR = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
-_VLLM_QWEN2_5_VL = "vllm.model_executor.models.vl"
+_VLLM_QWEN2_5_VL = "vllm.model_executor.models.qwen2_5_vl"
 _VLLM_QWEN3_VL = "vllm.model_executor.models.qwen3_vl"
 
 
