@@ -34,6 +34,7 @@ from rollplex_jax.memory.planner.activations import (
 )
 from rollplex_jax.memory.planner.sizes import Sizes
 from rollplex_jax.memory.planner.types import F32, Lengths, PlanMesh, ProgramModel, dtype_bytes, split_dim
+from rollplex_jax.models.vl.vision_chunks import slot_count
 
 
 def prefix_rows(cfg: Config, mesh: PlanMesh) -> float:
@@ -91,8 +92,8 @@ def _slots_gather(cfg: Config, ch: ChunkSpec | None, prompt_rows: float, Tp: int
     sum)."""
     if ch is None:
         return 0.0
-    n = min(ch.buffer, prompt_rows * Tp)
-    return n * cfg.model.vision.embed_width * dtype_bytes(cfg.model) * (2 if ch.groups > 1 else 1)
+    copies = 2 if ch.groups > 1 else 1
+    return slot_count(ch.buffer, prompt_rows, Tp) * cfg.model.vision.embed_width * dtype_bytes(cfg.model) * copies
 
 
 def _kv_row(m: ModelConfig, Tp: int, tp: int) -> float:
